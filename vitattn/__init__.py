@@ -1,0 +1,25 @@
+"""vitattn: vision transformers built from patch attention, written to be read.
+
+    import vitattn
+    model = vitattn.create_model("vit_tiny_patch16_224", num_classes=10)
+    logits = model(images)                     # (B, 10)
+    maps = model.get_attention_maps(images)    # one (B, heads, N, N) per block
+"""
+
+from .attention import SCORES, MultiHeadAttention, window_mask
+from .block import Block, DropPath, LayerScale, Mlp
+from .cnn import CNNConfig, SmallCNN
+from .patch_embed import PatchEmbed, patchify, unpatchify
+from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
+from .registry import PRESETS, create_model, get_config, list_models
+from .timm_compat import from_timm, to_timm, to_timm_state_dict
+from .vit import ViT, ViTConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCORES", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
+    "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
+    "patchify", "resample_abs_pos_embed", "sincos_1d", "sincos_2d", "to_timm", "to_timm_state_dict",
+    "unpatchify", "window_mask",
+]

@@ -1,0 +1,306 @@
+"""Multi-head attention, written so it can be read.
+
+Attention looks up values by similarity: each query ``q`` scores every key ``k``, a softmax
+turns the scores into weights, and the output is the weighted sum of the values ``v``::
+
+    out_i = sum_j softmax_j(score(q_i, k_j)) * v_j
+
+In self-attention Q, K and V are three linear maps of the same tokens; in cross-attention the
+queries come from one sequence (the target) and keys/values from another (the source). Multi-head
+attention splits the width into ``heads`` independent attentions of width ``d`` that run in
+parallel (one batched matrix product) and joins them with the output projection ``proj``.
+
+The *score function* is what tells attention mechanisms apart (``score=``):
+
+============  ===========================  ==========================================
+name          score(q, k)                  notes
+============  ===========================  ==========================================
+dot           q . k                        Luong et al. 2015
+scaled_dot    q . k / sqrt(d)              Vaswani et al. 2017; the default
+general       q^T W k                      Luong et al. 2015; W per head, starts at I/sqrt(d)
+additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attention)
+============  ===========================  ==========================================
+
+Two paths compute the same thing and tests hold them equal: the fused kernel
+(``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
+asked for) and the explicit ``softmax(score) @ v``, which also returns the weights.
+
+Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
+
+References: Vaswani et al. 2017; timm ``vision_transformer.Attention``; ViTDet (Li et al. 2022)
+for window attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import nn
+
+SCORES = ("scaled_dot", "dot", "general", "additive")
+Size2 = tuple[int, int]
+
+
+def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """``(P + N, P + N)`` boolean mask, True where query i may attend to key j under window
+    attention: patch tokens see the patches of their own window (windows tile the grid from the
+    top left) and every prefix token; prefix tokens see everything."""
+    gh, gw = grid
+    rows = torch.arange(gh).repeat_interleave(gw) // window[0]
+    cols = torch.arange(gw).repeat(gh) // window[1]
+    win = rows * (gw + window[1]) + cols  # window id of each patch token
+    same = win[:, None] == win[None, :]
+    p = num_prefix_tokens
+    mask = torch.ones(p + gh * gw, p + gh * gw, dtype=torch.bool)
+    mask[p:, p:] = same
+    return mask
+
+
+class MultiHeadAttention(nn.Module):
+    """``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
+
+    Args:
+        dim: width of the query tokens ``x``.
+        num_heads: number of parallel attentions.
+        hidden_dim: total width of Q, K and V (``heads * d``); defaults to ``dim``.
+        context_dim: width of the tokens keys/values come from in cross-attention, when it
+            differs from ``dim``; then ``q`` and ``kv`` are separate projections, else one ``qkv``.
+        out_dim: output width; defaults to ``hidden_dim``.
+        score: one of ``SCORES``.
+        qkv_bias: bias in the Q, K, V projections.
+        qk_norm: LayerNorm over each head's q and k (Dehghani et al. 2023).
+        attn_drop, proj_drop: dropout on the weights and on the output.
+        window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
+            ``grid`` in ``forward``. ``None`` is global attention.
+        additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
+        fused: use the fused kernel where it computes the same thing.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        hidden_dim: int | None = None,
+        context_dim: int | None = None,
+        out_dim: int | None = None,
+        score: str = "scaled_dot",
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        window_size: int | Size2 | None = None,
+        additive_dim: int | None = None,
+        fused: bool = True,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        hidden_dim = hidden_dim or dim
+        if hidden_dim % num_heads:
+            raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {num_heads}")
+        if score not in SCORES:
+            raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
+        self.num_heads = num_heads
+        self.head_dim = d = hidden_dim // num_heads
+        self.hidden_dim = hidden_dim
+        self.scale = d**-0.5
+        self.score = score
+        self.fused = fused
+        if window_size is not None and isinstance(window_size, int):
+            window_size = (window_size, window_size)
+        self.window_size = tuple(window_size) if window_size is not None else None
+
+        if context_dim is None or context_dim == dim:
+            self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
+        else:
+            self.q = nn.Linear(dim, hidden_dim, bias=qkv_bias)
+            self.kv = nn.Linear(context_dim, 2 * hidden_dim, bias=qkv_bias)
+        self.q_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
+        if score == "general":
+            # W = I / sqrt(d) at start, so 'general' begins as 'scaled_dot' and learns from there.
+            self.score_weight = nn.Parameter(torch.eye(d).repeat(num_heads, 1, 1) * self.scale)
+        elif score == "additive":
+            a = additive_dim or d
+            self.score_q = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
+            self.score_k = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
+            self.score_v = nn.Parameter(torch.randn(num_heads, a) * a**-0.5)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(hidden_dim, out_dim or hidden_dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    # -- scores -----------------------------------------------------------------------------
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``(B, heads, Nq, d), (B, heads, Nk, d) -> (B, heads, Nq, Nk)`` before the softmax."""
+        if self.score == "scaled_dot":
+            return (q * self.scale) @ k.transpose(-2, -1)
+        if self.score == "dot":
+            return q @ k.transpose(-2, -1)
+        if self.score == "general":
+            return torch.einsum("bhnd,hde->bhne", q, self.score_weight) @ k.transpose(-2, -1)
+        # additive: every (query, key) pair goes through a small tanh layer.
+        qa = torch.einsum("bhnd,hda->bhna", q, self.score_q)
+        ka = torch.einsum("bhmd,hda->bhma", k, self.score_k)
+        return torch.einsum("bhnma,ha->bhnm", torch.tanh(qa[:, :, :, None] + ka[:, :, None]), self.score_v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-head attention: ``(B, heads, Nq, d) -> (B, heads, Nq, d)`` and the weights if asked.
+
+        ``mask`` is boolean, True where a query may attend to a key, broadcastable to
+        ``(B, heads, Nq, Nk)``.
+        """
+        drop = self.attn_drop.p if self.training else 0.0
+        if self.fused and not need_weights and self.score != "additive":
+            scale = {"scaled_dot": self.scale, "dot": 1.0, "general": 1.0}[self.score]
+            if self.score == "general":
+                q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, scale=scale)
+            return out, None
+        # The readable path: score, mask, softmax, weighted sum.
+        s = self.scores(q, k)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        weights = s.softmax(dim=-1)
+        out = self.attn_drop(weights) @ v
+        return out, weights
+
+    # -- forward ----------------------------------------------------------------------------
+    def project_qkv(
+        self, x: torch.Tensor, context: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens -> per-head ``q, k, v`` of shape ``(B, heads, N, d)`` (views, no copies)."""
+        h = self.num_heads
+        if hasattr(self, "qkv"):
+            if context is None:
+                qkv = self.qkv(x)
+                q, k, v = rearrange(qkv, "b n (three h d) -> three b h n d", three=3, h=h).unbind(0)
+            else:
+                w, b = self.qkv.weight, self.qkv.bias
+                hd = self.hidden_dim
+                q = F.linear(x, w[:hd], None if b is None else b[:hd])
+                kv = F.linear(context, w[hd:], None if b is None else b[hd:])
+                q = rearrange(q, "b n (h d) -> b h n d", h=h)
+                k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
+        else:
+            if context is None:
+                raise ValueError("this attention was built with context_dim for cross-attention; pass context=")
+            q = rearrange(self.q(x), "b n (h d) -> b h n d", h=h)
+            k, v = rearrange(self.kv(context), "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        grid: Size2 | None = None,
+        num_prefix_tokens: int = 0,
+        return_attention: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``(B, Nq, dim) -> (B, Nq, out_dim)``; with ``return_attention=True`` also the weights
+        ``(B, heads, Nq, Nk)``.
+
+        Args:
+            context: ``(B, Nk, context_dim)`` tokens for keys and values (cross-attention).
+            attn_mask: boolean, True = may attend; broadcastable to ``(B, heads, Nq, Nk)``.
+            key_padding_mask: boolean ``(B, Nk)``, True = padding to ignore (as in
+                ``torch.nn.MultiheadAttention``).
+            grid: the patch grid ``(gh, gw)``; needed for window attention.
+            num_prefix_tokens: tokens before the grid (class token) under window attention.
+        """
+        if x.ndim != 3:
+            raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
+        q, k, v = self.project_qkv(x, context)
+        mask = self._merge_masks(attn_mask, key_padding_mask, q.shape, k.shape)
+        if self.window_size is not None:
+            if grid is None:
+                raise ValueError("window attention needs the patch grid: pass grid=(gh, gw)")
+            if context is not None or mask is not None:
+                raise ValueError("window attention is self-attention without masks")
+            if num_prefix_tokens + grid[0] * grid[1] != x.shape[1]:
+                raise ValueError(
+                    f"grid {tuple(grid)} with {num_prefix_tokens} prefix tokens means "
+                    f"{num_prefix_tokens + grid[0] * grid[1]} tokens, got {x.shape[1]}"
+                )
+            if return_attention:  # readable path: global attention restricted by a window mask
+                mask = window_mask(grid, self.window_size, num_prefix_tokens).to(x.device)
+                out, weights = self.attend(q, k, v, mask, need_weights=True)
+            else:
+                out, weights = self._window_attend(q, k, v, grid, num_prefix_tokens), None
+        else:
+            out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
+        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+        return (out, weights) if return_attention else out
+
+    @staticmethod
+    def _merge_masks(attn_mask, key_padding_mask, q_shape, k_shape) -> torch.Tensor | None:
+        b, h, nq, _ = q_shape
+        nk = k_shape[2]
+        mask = None
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise ValueError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}")
+            try:
+                torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
+            except RuntimeError:
+                raise ValueError(
+                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, heads, Nq, Nk) = "
+                    f"{(b, h, nq, nk)}"
+                ) from None
+            mask = attn_mask
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (b, nk):
+                raise ValueError(
+                    f"key_padding_mask must be boolean of shape (B, Nk) = {(b, nk)}, got "
+                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                )
+            keep = ~key_padding_mask[:, None, None, :]
+            mask = keep if mask is None else mask & keep
+        return mask
+
+    def _window_attend(self, q, k, v, grid: Size2, p: int) -> torch.Tensor:
+        """The fast window path: partition the grid into windows and batch them.
+
+        Windows that overhang the grid are padded and the padded keys masked, so the result
+        equals global attention under :func:`window_mask`. Prefix tokens are keys of every
+        window and attend globally themselves.
+        """
+        (gh, gw), (wh, ww) = grid, self.window_size
+        b = q.shape[0]
+        ph, pw = (-gh) % wh, (-gw) % ww
+
+        def to_windows(t: torch.Tensor) -> torch.Tensor:
+            t = rearrange(t, "b h (gh gw) d -> b h gh gw d", gh=gh)
+            if ph or pw:
+                t = F.pad(t, (0, 0, 0, pw, 0, ph))
+            return rearrange(t, "b h (nh wh) (nw ww) d -> (b nh nw) h (wh ww) d", wh=wh, ww=ww)
+
+        qw, kw, vw = (to_windows(t[:, :, p:]) for t in (q, k, v))
+        n_win = qw.shape[0] // b
+        mask = None
+        if ph or pw:
+            valid = F.pad(torch.ones(gh, gw, dtype=torch.bool, device=q.device), (0, pw, 0, ph))
+            valid = rearrange(valid, "(nh wh) (nw ww) -> (nh nw) (wh ww)", wh=wh, ww=ww)
+            mask = repeat(valid, "n k -> (b n) 1 1 k", b=b)
+        if p:
+            kw = torch.cat([repeat(k[:, :, :p], "b h p d -> (b n) h p d", n=n_win), kw], dim=2)
+            vw = torch.cat([repeat(v[:, :, :p], "b h p d -> (b n) h p d", n=n_win), vw], dim=2)
+            if mask is not None:
+                mask = F.pad(mask, (p, 0), value=True)
+        out, _ = self.attend(qw, kw, vw, mask)
+        out = rearrange(out, "(b nh nw) h (wh ww) d -> b h (nh wh) (nw ww) d", b=b, nh=(gh + ph) // wh, wh=wh, ww=ww)
+        out = rearrange(out[:, :, :gh, :gw], "b h gh gw d -> b h (gh gw) d")
+        if p:
+            out_prefix, _ = self.attend(q[:, :, :p], k, v)
+            out = torch.cat([out_prefix, out], dim=2)
+        return out

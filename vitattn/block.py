@@ -1,0 +1,121 @@
+"""The transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (pre-norm).
+
+Names follow timm (``norm1``, ``attn``, ``ls1``, ``drop_path1``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``,
+``ls2``, ``drop_path2``) so checkpoints convert by key.
+
+References: Vaswani et al. 2017; Dosovitskiy et al. 2021; Huang et al. 2016 (stochastic depth);
+Touvron et al. 2021, CaiT (LayerScale).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import MultiHeadAttention
+
+Size2 = tuple[int, int]
+
+
+class Mlp(nn.Module):
+    """``(B, N, D) -> (B, N, out)``: ``fc1 -> GELU -> dropout -> fc2 -> dropout``."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *,
+                 drop: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_features, out_features or in_features, bias=bias)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch for a random subset of samples while
+    training, scaling the kept ones by ``1 / keep``."""
+
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob}"
+
+
+class LayerScale(nn.Module):
+    """Per-channel learned scale of a residual branch, started small (``init_values``)."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class Block(nn.Module):
+    """``(B, N, D) -> (B, N, D)``, pre-norm, optional LayerScale, DropPath and window attention.
+
+    Args:
+        dim: token width ``D``.
+        num_heads: attention heads.
+        mlp_ratio: MLP hidden width as a multiple of ``D``.
+        qkv_bias, qk_norm, score: passed to :class:`MultiHeadAttention`.
+        proj_drop, attn_drop: dropout after projections and on attention weights.
+        init_values: LayerScale start value; ``None`` for no LayerScale.
+        drop_path: stochastic depth rate of this block.
+        window_size: window attention (ViTDet) instead of global; ``None`` for global.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        score: str = "scaled_dot",
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+        window_size: int | Size2 | None = None,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = MultiHeadAttention(
+            dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, score=score, attn_drop=attn_drop,
+            proj_drop=proj_drop, window_size=window_size, norm_eps=norm_eps,
+        )
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        grid: Size2 | None = None,
+        num_prefix_tokens: int = 0,
+        return_attention: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        a = self.attn(self.norm1(x), grid=grid, num_prefix_tokens=num_prefix_tokens,
+                      return_attention=return_attention)
+        a, weights = a if return_attention else (a, None)
+        x = x + self.drop_path1(self.ls1(a))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return (x, weights) if return_attention else x

@@ -1,0 +1,99 @@
+"""A small CNN baseline with the ViT's interface.
+
+Each stage is ``conv3x3 -> max-pool /2 -> BN -> GELU -> conv3x3 -> BN -> GELU``, after a
+3x3 stem; a 32x32 image becomes a 4x4 map after three stages, then global max-pool and a linear
+head. A convolution sees only its 3x3 neighbourhood, so the view of a unit widens layer by
+layer; ``vitattn.context`` measures how far.
+
+References: Keller Jordan's airbench (``airbench94.py``), whose network this follows in shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class CNNConfig:
+    in_chans: int = 3  # image channels
+    num_classes: int = 10  # classifier outputs; 0 for features only
+    stem_width: int = 32  # channels after the stem conv
+    widths: tuple[int, ...] = field(default_factory=lambda: (64, 256, 256))  # channels per stage
+    drop_rate: float = 0.0  # dropout before the head
+
+    def __post_init__(self) -> None:
+        self.widths = tuple(self.widths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=False)]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    layers += [nn.BatchNorm2d(cout), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+class SmallCNN(nn.Module):
+    """``(B, C, H, W) -> (B, num_classes)``; stage ``i`` has stride ``2**(i+1)``."""
+
+    def __init__(self, config: CNNConfig | None = None, **overrides: Any) -> None:
+        super().__init__()
+        if config is None:
+            config = CNNConfig(**overrides)
+        elif overrides:
+            config = CNNConfig(**{**config.to_dict(), **overrides})
+        self.config = c = config
+        self.num_classes = c.num_classes
+        self.num_features = c.widths[-1]
+        self.stem = conv_bn(c.in_chans, c.stem_width)
+        widths = (c.stem_width, *c.widths)
+        self.stages = nn.ModuleList(
+            nn.Sequential(conv_bn(widths[i], widths[i + 1], pool=True), conv_bn(widths[i + 1], widths[i + 1]))
+            for i in range(len(c.widths))
+        )
+        self.head_drop = nn.Dropout(c.drop_rate)
+        self.head = nn.Linear(self.num_features, c.num_classes, bias=False) if c.num_classes > 0 else nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, num_features, H/2^S, W/2^S)``."""
+        if x.ndim != 4 or x.shape[1] != self.config.in_chans:
+            raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """``(B, C, h, w) -> (B, num_classes)``: global max-pool, dropout, linear."""
+        x = self.head_drop(x.amax(dim=(2, 3)))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
+                              intermediates_only: bool = False):
+        """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT."""
+        n = len(self.stages)
+        take = list(range(n)) if indices is None else (
+            list(range(n - indices, n)) if isinstance(indices, int) else [i % n for i in indices])
+        if x.ndim != 4 or x.shape[1] != self.config.in_chans:
+            raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
+        x = self.stem(x)
+        out = []
+        for i, stage in enumerate(self.stages):
+            x = stage(x)
+            if i in take:
+                out.append(x)
+        return out if intermediates_only else (x, out)
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes, bias=False) if num_classes > 0 else nn.Identity()

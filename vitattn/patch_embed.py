@@ -1,0 +1,125 @@
+"""Patches as tokens: an image is cut into a grid of fixed patches, each flattened into a word.
+
+Shapes: images ``B C H W``; patch grid ``gh gw``; tokens ``B N D`` with ``N = gh * gw``.
+
+References: Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words" (ViT); MAE's
+``patchify`` / ``unpatchify`` pair (He et al. 2022).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+Size2 = tuple[int, int]
+
+
+def to_2tuple(x: int | Size2 | list[int]) -> Size2:
+    """``4 -> (4, 4)``; a pair passes through (as a tuple)."""
+    if isinstance(x, int):
+        return (x, x)
+    x = tuple(int(v) for v in x)
+    if len(x) != 2:
+        raise ValueError(f"expected an int or a pair of ints, got {x}")
+    return x  # type: ignore[return-value]
+
+
+def check_image(x: torch.Tensor, patch_size: Size2, in_chans: int | None = None) -> None:
+    """Raise a ``ValueError`` saying what was expected and what came."""
+    if x.ndim != 4:
+        raise ValueError(
+            f"expected a 4-D image batch (B, C, H, W), got a {x.ndim}-D tensor of shape {tuple(x.shape)}"
+        )
+    if in_chans is not None and x.shape[1] != in_chans:
+        raise ValueError(f"expected {in_chans} input channels, got {x.shape[1]} (shape {tuple(x.shape)})")
+    for name, size, p in (("height", x.shape[2], patch_size[0]), ("width", x.shape[3], patch_size[1])):
+        if size % p:
+            raise ValueError(f"image {name} {size} is not divisible by patch size {p}")
+
+
+def patchify(images: torch.Tensor, patch_size: int | Size2) -> torch.Tensor:
+    """``(B, C, H, W) -> (B, N, C*p1*p2)``, patches in row-major grid order.
+
+    Each patch is flattened channel-first, ``(c p1 p2)``, which is exactly the layout of a
+    ``Conv2d(C, D, kernel=stride=patch)`` weight, so ``patchify(x) @ w.flatten(1).T`` equals the
+    convolution. Pure: the input is not modified.
+    """
+    p1, p2 = to_2tuple(patch_size)
+    check_image(images, (p1, p2))
+    return rearrange(images, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p1, p2=p2)
+
+
+def unpatchify(
+    patches: torch.Tensor, grid: Size2, patch_size: int | Size2, in_chans: int = 3
+) -> torch.Tensor:
+    """``(B, N, C*p1*p2) -> (B, C, H, W)``: the exact inverse of :func:`patchify`."""
+    p1, p2 = to_2tuple(patch_size)
+    gh, gw = grid
+    if patches.ndim != 3 or patches.shape[1] != gh * gw or patches.shape[2] != in_chans * p1 * p2:
+        raise ValueError(
+            f"expected patches of shape (B, {gh * gw}, {in_chans * p1 * p2}) for grid {grid}, "
+            f"patch {(p1, p2)} and {in_chans} channels, got {tuple(patches.shape)}"
+        )
+    return rearrange(patches, "b (gh gw) (c p1 p2) -> b c (gh p1) (gw p2)", gh=gh, gw=gw, p1=p1, p2=p2)
+
+
+class PatchEmbed(nn.Module):
+    """``(B, C, H, W) -> (B, N, D)`` plus the grid ``(gh, gw)``.
+
+    The projection is stored as ``proj``, a ``Conv2d`` with kernel = stride = patch, so timm's
+    ``patch_embed.proj.weight`` loads unchanged. Two paths compute it and a test holds them equal:
+    the convolution (``fast=True``, fastest on CPU when measured) and the readable
+    ``patchify`` + matrix product.
+
+    Args:
+        img_size: nominal input size; only used to size learned position tables.
+        patch_size: patch height and width (a pair for non-square patches).
+        in_chans: input channels.
+        embed_dim: token width ``D``.
+        dynamic_img_pad: pad the right/bottom edges up to a multiple of the patch instead of
+            raising on sizes that do not divide.
+        bias: bias in the projection.
+    """
+
+    def __init__(
+        self,
+        img_size: int | Size2 = 224,
+        patch_size: int | Size2 = 16,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        *,
+        dynamic_img_pad: bool = False,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        self.in_chans = in_chans
+        self.embed_dim = embed_dim
+        self.dynamic_img_pad = dynamic_img_pad
+        self.grid_size = self.grid_for(self.img_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+
+    def grid_for(self, img_size: Size2) -> Size2:
+        """The patch grid an image of ``img_size`` gives (rounded up when padding is on)."""
+        (h, w), (p1, p2) = img_size, self.patch_size
+        if self.dynamic_img_pad:
+            return (-(-h // p1), -(-w // p2))
+        return (h // p1, w // p2)
+
+    def forward(self, x: torch.Tensor, fast: bool = True) -> tuple[torch.Tensor, Size2]:
+        p1, p2 = self.patch_size
+        if self.dynamic_img_pad and x.ndim == 4:
+            pad_h, pad_w = (-x.shape[2]) % p1, (-x.shape[3]) % p2
+            if pad_h or pad_w:
+                x = F.pad(x, (0, pad_w, 0, pad_h))
+        check_image(x, self.patch_size, self.in_chans)
+        grid = (x.shape[2] // p1, x.shape[3] // p2)
+        if fast:
+            x = rearrange(self.proj(x), "b d gh gw -> b (gh gw) d")
+        else:
+            x = F.linear(patchify(x, self.patch_size), self.proj.weight.flatten(1), self.proj.bias)
+        return x, grid

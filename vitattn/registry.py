@@ -1,0 +1,68 @@
+"""Named presets in one table, and ``create_model`` / ``list_models``.
+
+Each preset is a recipe: the model family, its config, and where the numbers come from.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import fields
+from typing import Any
+
+from torch import nn
+
+from .cnn import CNNConfig, SmallCNN
+from .vit import ViT, ViTConfig
+
+# name: (family, config fields, source)
+PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
+    # ImageNet sizes, identical to timm's models of the same name.
+    "vit_tiny_patch16_224": ("vit", dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+                             "timm / DeiT-Ti (Touvron et al. 2021)"),
+    "vit_small_patch16_224": ("vit", dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+                              "timm / DeiT-S (Touvron et al. 2021)"),
+    "vit_base_patch16_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+                             "ViT-B/16 (Dosovitskiy et al. 2021)"),
+    # CIFAR sizes (32x32 input), chosen to train well within minutes on a 2-core CPU.
+    "vit_cifar_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
+                                     mlp_ratio=2.0, num_classes=10),
+                         "vitattn: 8x8 tokens, ~1.8M params, sized like cnn_cifar"),
+    "vit_cifar_lee_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=12,
+                                         mlp_ratio=2.0, num_classes=10),
+                             "Lee et al. 2021, 'ViT for small-size datasets' baseline (2.7M params)"),
+    "vit_cifar_patch2": ("vit", dict(img_size=32, patch_size=2, embed_dim=128, depth=6, num_heads=4,
+                                     mlp_ratio=2.0, num_classes=10),
+                         "vitattn: 16x16 tokens, finer patches at 4x the attention cost"),
+    # The CNN baseline.
+    "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10),
+                  "airbench94's network shape (Jordan 2024), ~2M params"),
+    "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10),
+                        "vitattn: a quarter-width cnn_cifar for quick runs"),
+}
+
+_FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig)}
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Preset names matching a shell-style pattern, sorted."""
+    return sorted(n for n in PRESETS if fnmatch.fnmatch(n, pattern))
+
+
+def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
+    """The config of a preset with overrides applied (unknown fields raise a ``TypeError``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    family, base, _ = PRESETS[name]
+    cfg_cls = _FAMILIES[family][1]
+    valid = {f.name for f in fields(cfg_cls)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise TypeError(f"{name} ({family}) has no option(s) {unknown}; valid: {sorted(valid)}")
+    return cfg_cls(**{**base, **overrides})
+
+
+def create_model(name: str, **overrides: Any) -> nn.Module:
+    """Build a preset, e.g. ``create_model('vit_tiny_patch16_224', num_classes=10)``."""
+    cfg = get_config(name, **overrides)
+    model_cls = _FAMILIES[PRESETS[name][0]][0]
+    return model_cls(cfg)

@@ -1,0 +1,301 @@
+"""The Vision Transformer.
+
+    image (B, C, H, W)
+      -> patch_embed       (B, N, D), grid (gh, gw)
+      -> + pos_embed       learned / sincos1d / sincos2d / none
+      -> cls token         (B, P + N, D), P = num_prefix_tokens (0 or 1)
+      -> blocks x depth    (B, P + N, D)
+      -> norm              forward_features
+      -> pool, fc_norm     (B, D)          forward_head(pre_logits=True)
+      -> head              (B, num_classes)
+
+Names and options follow timm's ``VisionTransformer`` so its checkpoints map key for key.
+
+References: Dosovitskiy et al. 2021; timm ``models/vision_transformer.py``; big_vision
+``models/vit.py`` (sincos2d, 'avg' pooling without class token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from einops import rearrange, repeat
+from torch import nn
+
+from .block import Block
+from .patch_embed import PatchEmbed, to_2tuple
+from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
+
+POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
+GLOBAL_POOLS = ("token", "avg", "")
+
+
+@dataclass
+class ViTConfig:
+    """Everything that defines a ViT. Field names and values are timm's where timm has them."""
+
+    img_size: int | tuple[int, int] = 224  # nominal input; sizes the learned position table
+    patch_size: int | tuple[int, int] = 16  # patch height and width in pixels
+    in_chans: int = 3  # image channels
+    num_classes: int = 1000  # classifier outputs; 0 for no head (features only)
+    global_pool: str = "token"  # 'token' (class token), 'avg' (mean of patch tokens) or ''
+    embed_dim: int = 768  # token width D
+    depth: int = 12  # number of blocks
+    num_heads: int = 12  # attention heads per block
+    mlp_ratio: float = 4.0  # MLP hidden width / D
+    qkv_bias: bool = True  # bias in the q, k, v projection
+    qk_norm: bool = False  # LayerNorm on each head's q and k
+    init_values: float | None = None  # LayerScale start value; None = no LayerScale
+    class_token: bool = True  # prepend a learned class token
+    pos_embed: str = "learn"  # 'learn', 'sincos1d', 'sincos2d' or 'none'
+    dynamic_img_size: bool = False  # accept any image size divisible by the patch
+    dynamic_img_pad: bool = False  # pad images up to a multiple of the patch instead of raising
+    fc_norm: bool | None = None  # LayerNorm after pooling instead of before; None = timm's rule (avg)
+    drop_rate: float = 0.0  # dropout before the head
+    pos_drop_rate: float = 0.0  # dropout after adding positions
+    proj_drop_rate: float = 0.0  # dropout after attention / MLP projections
+    attn_drop_rate: float = 0.0  # dropout on attention weights
+    drop_path_rate: float = 0.0  # stochastic depth, rising linearly to this in the last block
+    score: str = "scaled_dot"  # attention score function (see vitattn.attention)
+    window_size: int | None = None  # window attention (ViTDet) in the blocks below
+    window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
+
+    def __post_init__(self) -> None:
+        if self.pos_embed not in POS_EMBEDS:
+            raise ValueError(f"unknown pos_embed {self.pos_embed!r}; expected one of {POS_EMBEDS}")
+        if self.global_pool not in GLOBAL_POOLS:
+            raise ValueError(f"unknown global_pool {self.global_pool!r}; expected one of {GLOBAL_POOLS}")
+        if self.global_pool == "token" and not self.class_token:
+            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without it")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        self.window_block_indexes = tuple(self.window_block_indexes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ViT(nn.Module):
+    """Vision Transformer, ``(B, C, H, W) -> (B, num_classes)``."""
+
+    def __init__(self, config: ViTConfig | None = None, **overrides: Any) -> None:
+        super().__init__()
+        if config is None:
+            config = ViTConfig(**overrides)
+        elif overrides:
+            config = ViTConfig(**{**config.to_dict(), **overrides})
+        self.config = c = config
+        self.num_classes = c.num_classes
+        self.global_pool = c.global_pool
+        self.embed_dim = self.num_features = c.embed_dim
+        self.num_prefix_tokens = 1 if c.class_token else 0
+        self.dynamic_img_size = c.dynamic_img_size
+        use_fc_norm = c.global_pool == "avg" if c.fc_norm is None else c.fc_norm
+
+        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
+                                      dynamic_img_pad=c.dynamic_img_pad)
+        self.grid_size = self.patch_embed.grid_size
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        if c.pos_embed == "learn":
+            n = self.num_prefix_tokens + self.patch_embed.num_patches
+            self.pos_embed = nn.Parameter(torch.zeros(1, n, c.embed_dim))
+        else:
+            self.pos_embed = None
+        self._fixed_pos: dict[tuple, torch.Tensor] = {}  # sincos tables per (grid, device, dtype)
+        self.pos_drop = nn.Dropout(c.pos_drop_rate)
+        dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth, linear rule
+        self.blocks = nn.ModuleList(
+            Block(c.embed_dim, c.num_heads, mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm,
+                  score=c.score, proj_drop=c.proj_drop_rate, attn_drop=c.attn_drop_rate,
+                  init_values=c.init_values, drop_path=dpr[i],
+                  window_size=c.window_size if i in c.window_block_indexes else None)
+            for i in range(c.depth)
+        )
+        self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(c.embed_dim, eps=1e-6)
+        self.fc_norm = nn.LayerNorm(c.embed_dim, eps=1e-6) if use_fc_norm else nn.Identity()
+        self.head_drop = nn.Dropout(c.drop_rate)
+        self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    # -- init -------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """timm's default scheme: truncated normal (std .02) for linear layers and the position
+        table, zero biases, a near-zero class token; the patch projection keeps PyTorch's init."""
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # -- tokens -----------------------------------------------------------------------------
+    def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
+        """The sincos table ``(1, P + gh*gw, D)`` for this grid; prefix positions are zero."""
+        key = (grid, device, dtype, self.config.pos_embed)
+        if key not in self._fixed_pos:
+            gh, gw, d = grid[0], grid[1], self.embed_dim
+            table = sincos_2d(gh, gw, d) if self.config.pos_embed == "sincos2d" else sincos_1d(gh * gw, d)
+            table = torch.cat([torch.zeros(self.num_prefix_tokens, d), table])
+            self._fixed_pos[key] = table[None].to(device=device, dtype=dtype)
+        return self._fixed_pos[key]
+
+    def pos_embed_for(self, grid: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
+        """Position codes ``(1, P + N, D)`` for a patch grid, resampled / built as needed."""
+        kind = self.config.pos_embed
+        if kind == "none":
+            return None
+        if kind != "learn":
+            return self.fixed_pos_embed(grid, x.device, x.dtype)
+        if tuple(grid) == tuple(self.grid_size):
+            return self.pos_embed
+        if not self.dynamic_img_size:
+            raise ValueError(
+                f"image gives a {grid[0]}x{grid[1]} patch grid but the position table is for "
+                f"{self.grid_size[0]}x{self.grid_size[1]} (img_size {to_2tuple(self.config.img_size)}); "
+                "build the model with dynamic_img_size=True to resample on the fly"
+            )
+        return resample_abs_pos_embed(self.pos_embed, grid, self.grid_size, self.num_prefix_tokens)
+
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """``(B, C, H, W) -> (B, P + N, D)`` tokens with positions, and the grid."""
+        x, grid = self.patch_embed(x)
+        if self.cls_token is not None:
+            x = torch.cat([repeat(self.cls_token, "1 1 d -> b 1 d", b=x.shape[0]), x], dim=1)
+        pos = self.pos_embed_for(grid, x)
+        if pos is not None:
+            x = x + pos
+        return self.pos_drop(x), grid
+
+    # -- timm's interface -------------------------------------------------------------------
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, P + N, D)``, after the final norm."""
+        x, grid = self.embed(x)
+        for blk in self.blocks:
+            x = blk(x, grid, self.num_prefix_tokens)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, P + N, D) -> (B, D)``: the class token or the mean of the patch tokens."""
+        if self.global_pool == "token":
+            return x[:, 0]
+        if self.global_pool == "avg":
+            return x[:, self.num_prefix_tokens:].mean(dim=1)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """``(B, P + N, D) -> (B, num_classes)`` (or ``(B, D)`` with ``pre_logits=True``)."""
+        x = self.head_drop(self.fc_norm(self.pool(x)))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | tuple[int, ...] | None = None,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        return_prefix_tokens: bool = False,
+    ):
+        """Per-block outputs as maps ``(B, D, gh, gw)`` (``'NCHW'``) or tokens ``(B, N, D)``
+        (``'NLC'``), timm's signature.
+
+        ``indices``: ``None`` for every block, an int ``n`` for the last ``n``, or a list of block
+        indices (negative counts from the end). Returns ``(final_features, intermediates)``, or
+        only the list with ``intermediates_only=True``.
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        depth = len(self.blocks)
+        if indices is None:
+            take = list(range(depth))
+        elif isinstance(indices, int):
+            if not 0 < indices <= depth:
+                raise ValueError(f"indices={indices}: expected 1..{depth} last blocks")
+            take = list(range(depth - indices, depth))
+        else:
+            take = [i % depth if -depth <= i < depth else None for i in indices]
+            if None in take:
+                raise ValueError(f"block indices {list(indices)} out of range for depth {depth}")
+        p = self.num_prefix_tokens
+        x, grid = self.embed(x)
+        out = []
+        last = max(take)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, grid, p)
+            if i in take:
+                y = self.norm(x) if norm else x
+                prefix, y = y[:, :p], y[:, p:]
+                if output_fmt == "NCHW":
+                    y = rearrange(y, "b (gh gw) d -> b d gh gw", gh=grid[0], gw=grid[1])
+                out.append((y, prefix) if return_prefix_tokens else y)
+            if intermediates_only and i == last:
+                break
+        if intermediates_only:
+            return out
+        return self.norm(x), out
+
+    @torch.no_grad()
+    def get_attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Attention weights of every block, each ``(B, heads, P + N, P + N)``.
+
+        Uses the explicit path in each block (no global switch); the model's outputs are the same
+        as ``forward``'s.
+        """
+        x, grid = self.embed(x)
+        maps = []
+        for blk in self.blocks:
+            x, w = blk(x, grid, self.num_prefix_tokens, return_attention=True)
+            maps.append(w)
+        return maps
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the head (timm's method); ``num_classes=0`` leaves features only."""
+        if global_pool is not None:
+            if global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None):
+                raise ValueError(f"global_pool {global_pool!r} is not available for this model")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            nn.init.trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    # -- weights ----------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, torch.Tensor], *, old_grid: tuple[int, int] | None = None,
+                     strict: bool = True) -> dict[str, list[str]]:
+        """Load a vitattn (or converted timm) state dict, adapting it to this model.
+
+        A position table for another grid is resampled (bicubic); a classifier head of another
+        size is skipped (this model keeps its own). Any other shape mismatch raises a
+        ``ValueError`` naming every key. Returns ``{'missing', 'unexpected', 'skipped'}`` key lists.
+        The input dict is not modified.
+        """
+        own = self.state_dict()
+        sd = dict(state_dict)
+        skipped: list[str] = []
+        if "pos_embed" in sd and self.pos_embed is not None and sd["pos_embed"].shape != own["pos_embed"].shape:
+            src = sd["pos_embed"]
+            if src.shape[-1] != own["pos_embed"].shape[-1]:
+                raise ValueError(f"pos_embed width {src.shape[-1]} != model width {own['pos_embed'].shape[-1]}")
+            sd["pos_embed"] = resample_abs_pos_embed(src, self.grid_size, old_grid, self.num_prefix_tokens)
+        for k in ("head.weight", "head.bias"):
+            if k in sd and (k not in own or sd[k].shape != own[k].shape):
+                skipped.append(k)
+                del sd[k]
+        bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+               for k, v in sd.items() if k in own and v.shape != own[k].shape]
+        if bad:
+            raise ValueError("state dict shapes do not match the model:\n  " + "\n  ".join(bad))
+        missing, unexpected = self.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not (k.startswith("head.") and skipped)]
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict keys do not match: missing {missing}, unexpected {unexpected}")
+        return {"missing": list(missing), "unexpected": list(unexpected), "skipped": skipped}
