@@ -75,7 +75,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim,
         qkv_bias=blk.attn.qkv.bias is not None,
         qk_norm=qk_norm,
-        init_values=float(ls.gamma.flatten()[0]) if isinstance(ls, TimmLayerScale) else None,
+        init_values=float(ls.gamma.detach().flatten()[0]) if isinstance(ls, TimmLayerScale) else None,
         class_token=model.cls_token is not None,
         pos_embed="learn" if has_pos else "none",
         dynamic_img_size=bool(getattr(model, "dynamic_img_size", False)),
