@@ -1,0 +1,232 @@
+"""MultiHeadAttention: both paths equal, every score function against a per-pair loop, masks,
+cross-attention, windows, and the symmetry attention has without positions."""
+
+import math
+
+import pytest
+import torch
+
+from vitattn import SCORES, MultiHeadAttention, window_mask
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def per_pair_reference(attn: MultiHeadAttention, x, context=None, mask=None):
+    """Attention computed one (query, key) pair at a time, straight from the definitions."""
+    q, k, v = attn.project_qkv(x, context)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    out = torch.zeros_like(q)
+    weights = torch.zeros(b, h, nq, nk)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(nq):
+                s = torch.empty(nk)
+                for j in range(nk):
+                    qi, kj = q[bi, hi, i], k[bi, hi, j]
+                    if attn.score == "dot":
+                        s[j] = qi @ kj
+                    elif attn.score == "scaled_dot":
+                        s[j] = qi @ kj / math.sqrt(d)
+                    elif attn.score == "general":
+                        s[j] = qi @ attn.score_weight[hi] @ kj
+                    else:  # additive
+                        s[j] = attn.score_v[hi] @ torch.tanh(qi @ attn.score_q[hi] + kj @ attn.score_k[hi])
+                    if mask is not None and not mask[bi, hi, i, j]:
+                        s[j] = float("-inf")
+                w = torch.softmax(s, 0)
+                weights[bi, hi, i] = w
+                out[bi, hi, i] = (w[:, None] * v[bi, hi]).sum(0)
+    out = out.transpose(1, 2).reshape(b, nq, h * d)
+    return attn.proj(out), weights
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_scores_match_per_pair_loop(score):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, score=score, qkv_bias=True).eval()
+    x = torch.randn(2, 5, 8)
+    out, w = attn(x, return_attention=True)
+    with torch.no_grad():
+        ref_out, ref_w = per_pair_reference(attn, x)
+        assert torch.allclose(w, ref_w, atol=1e-6)
+        assert torch.allclose(out, ref_out, atol=1e-6)
+        assert torch.allclose(attn(x), ref_out, atol=1e-5)  # the default (fused where possible) path too
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "dot", "general"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_equals_explicit_outputs_and_grads(score, masked):
+    torch.manual_seed(1)
+    fused = MultiHeadAttention(16, num_heads=4, score=score, qkv_bias=True, fused=True).eval()
+    explicit = MultiHeadAttention(16, num_heads=4, score=score, qkv_bias=True, fused=False).eval()
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 7, 16)
+    kpm = torch.zeros(3, 7, dtype=torch.bool)
+    kpm[0, 5:] = True
+    kpm[2, 1] = True
+    kw = dict(key_padding_mask=kpm) if masked else {}
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = fused(x1, **kw), explicit(x2, **kw)
+    assert torch.allclose(y1, y2, atol=1e-5)
+    g = torch.randn_like(y1)
+    (y1 * g).sum().backward()
+    (y2 * g).sum().backward()
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
+    for (n, p1), (_, p2) in zip(fused.named_parameters(), explicit.named_parameters()):
+        assert torch.allclose(p1.grad, p2.grad, atol=1e-5), n
+
+
+def test_return_attention_shape_rows_and_same_output():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(12, num_heads=3).eval()
+    x = torch.randn(2, 9, 12)
+    out, w = attn(x, return_attention=True)
+    assert w.shape == (2, 3, 9, 9)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 3, 9), atol=1e-6)
+    assert torch.allclose(out, attn(x), atol=1e-5)
+
+
+def test_notes_example_widths():
+    """The notes' selfAttention(2, 10, 20) on (32, 20, 10) gives (32, 20, 20)."""
+    attn = MultiHeadAttention(dim=10, num_heads=2, hidden_dim=20)
+    assert attn(torch.rand(32, 20, 10)).shape == (32, 20, 20)
+    assert attn.head_dim == 10
+
+
+def test_hidden_not_divisible_by_heads_raises():
+    with pytest.raises(ValueError, match="hidden width 20 is not divisible by the number of heads 3"):
+        MultiHeadAttention(dim=10, num_heads=3, hidden_dim=20)
+    with pytest.raises(ValueError, match="unknown score"):
+        MultiHeadAttention(8, 2, score="cosine")
+
+
+def test_cross_attention_other_length_and_width():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, context_dim=6, out_dim=8).eval()
+    x, src = torch.randn(2, 3, 8), torch.randn(2, 11, 6)
+    out, w = attn(x, context=src, return_attention=True)
+    assert out.shape == (2, 3, 8) and w.shape == (2, 2, 3, 11)
+    with torch.no_grad():
+        ref, ref_w = per_pair_reference(attn, x, src)
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(w, ref_w, atol=1e-6)
+    assert torch.allclose(attn(x, context=src), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="context"):
+        attn(x)
+
+
+def test_cross_attention_same_width_uses_qkv_slices():
+    """With a same-width context the one qkv projection serves: q from x, k and v from the context.
+    Self-attention is cross-attention of a sequence with itself."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, qkv_bias=True).eval()
+    x = torch.randn(2, 5, 8)
+    assert torch.allclose(attn(x, context=x), attn(x), atol=1e-6)
+    src = torch.randn(2, 9, 8)
+    out = attn(x, context=src)
+    with torch.no_grad():
+        ref, _ = per_pair_reference(attn, x, src)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_key_padding_equals_truncation():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2).eval()
+    x = torch.randn(1, 6, 8)
+    src = torch.randn(1, 10, 8)
+    kpm = torch.zeros(1, 10, dtype=torch.bool)
+    kpm[:, 7:] = True
+    for fused in (True, False):
+        attn.fused = fused
+        assert torch.allclose(attn(x, context=src, key_padding_mask=kpm), attn(x, context=src[:, :7]), atol=1e-5)
+    _, w = attn(x, context=src, key_padding_mask=kpm, return_attention=True)
+    assert w[..., 7:].abs().max() == 0
+
+
+def test_attn_mask_causal_and_errors():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2).eval()
+    x = torch.randn(2, 5, 8)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    out, w = attn(x, attn_mask=causal, return_attention=True)
+    assert w.triu(1).abs().max() == 0
+    assert torch.allclose(out, attn(x, attn_mask=causal), atol=1e-5)
+    # the first token can only see itself, so it ignores every later token
+    x2 = x.clone()
+    x2[:, 1:] += 1.0
+    assert torch.allclose(attn(x2, attn_mask=causal)[:, 0], out[:, 0], atol=1e-6)
+    with pytest.raises(ValueError, match="boolean"):
+        attn(x, attn_mask=causal.float())
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attn(x, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be boolean of shape \(B, Nk\) = \(2, 5\)"):
+        attn(x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"expected tokens of shape \(B, N, D\)"):
+        attn(torch.randn(5, 8))
+
+
+def test_permutation_equivariant():
+    """Without positions attention cannot tell token order: permuting inputs permutes outputs."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2).eval()
+    x = torch.randn(2, 7, 8)
+    perm = torch.randperm(7, generator=seeded(3))
+    assert torch.allclose(attn(x)[:, perm], attn(x[:, perm]), atol=1e-5)
+
+
+@pytest.mark.parametrize("grid,window,prefix", [((4, 6), 2, 0), ((5, 7), 3, 1), ((3, 3), 2, 2), ((4, 4), (2, 4), 0)])
+def test_window_fast_path_equals_masked_global(grid, window, prefix):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, window_size=window).eval()
+    n = prefix + grid[0] * grid[1]
+    x = torch.randn(2, n, 8, requires_grad=True)
+    fast = attn(x, grid=grid, num_prefix_tokens=prefix)
+    readable, w = attn(x, grid=grid, num_prefix_tokens=prefix, return_attention=True)
+    assert torch.allclose(fast, readable, atol=1e-5)
+    # the weights vanish outside each token's window
+    allowed = window_mask(grid, attn.window_size, prefix)
+    assert w[..., ~allowed].abs().max() == 0
+    gx_fast, = torch.autograd.grad(fast.sum(), x)
+    gx_read, = torch.autograd.grad(readable.sum(), x)
+    assert torch.allclose(gx_fast, gx_read, atol=1e-5)
+
+
+def test_window_covering_grid_equals_global():
+    torch.manual_seed(0)
+    glob = MultiHeadAttention(8, num_heads=2).eval()
+    win = MultiHeadAttention(8, num_heads=2, window_size=8).eval()
+    win.load_state_dict(glob.state_dict())
+    x = torch.randn(2, 1 + 30, 8)
+    assert torch.allclose(win(x, grid=(5, 6), num_prefix_tokens=1), glob(x), atol=1e-5)
+    with pytest.raises(ValueError, match="needs the patch grid"):
+        win(x)
+    with pytest.raises(ValueError, match="means 31 tokens, got 30"):
+        win(x[:, 1:], grid=(5, 6), num_prefix_tokens=1)
+
+
+def test_window_mask_pattern():
+    m = window_mask((2, 4), (2, 2), num_prefix_tokens=1)
+    assert m.shape == (9, 9)
+    assert m[0].all() and m[:, 0].all()
+    # token 1 (row 0, col 0) shares a window with (0,1), (1,0), (1,1) -> tokens 1, 2, 5, 6
+    assert m[1, 1:].nonzero().flatten().add(1).tolist() == [1, 2, 5, 6]
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, attn_drop=0.5, proj_drop=0.5)
+    x = torch.randn(2, 5, 8)
+    attn.eval()
+    assert torch.equal(attn(x), attn(x))
+    attn.train()
+    assert not torch.allclose(attn(x), attn(x))
+
+
+def test_qk_norm_normalises_each_head():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, num_heads=2, qk_norm=True).eval()
+    q, k, _ = attn.project_qkv(torch.randn(2, 5, 8) * 10, None)
+    assert torch.allclose(q.mean(-1), torch.zeros(2, 2, 5), atol=1e-5)
+    assert torch.allclose(k.var(-1, unbiased=False), torch.ones(2, 2, 5), atol=1e-3)

@@ -1,0 +1,111 @@
+"""timm parity: converted models give timm's outputs, both ways (random weights; no downloads)."""
+
+import pytest
+import torch
+
+import vitattn
+
+timm = pytest.importorskip("timm")
+from timm.models.vision_transformer import VisionTransformer  # noqa: E402
+
+CASES = {
+    "cls_token": dict(img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4, num_classes=10),
+    "avg_no_cls_nonsquare": dict(img_size=(32, 48), patch_size=(4, 8), embed_dim=48, depth=2, num_heads=3,
+                                 mlp_ratio=2.5, class_token=False, global_pool="avg", qkv_bias=False, num_classes=7),
+    "layerscale_qknorm_dynamic": dict(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=2, init_values=0.1,
+                                      qk_norm=True, dynamic_img_size=True, num_classes=3),
+    "cls_avg_pool": dict(img_size=24, patch_size=6, embed_dim=32, depth=1, num_heads=1, global_pool="avg",
+                         num_classes=4),
+    "no_head": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=0),
+}
+
+
+def randomised(kw):
+    """A timm model with all parameters random (timm zero-inits some, which would hide mistakes)."""
+    torch.manual_seed(0)
+    model = VisionTransformer(**kw).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def images(kw, batch=2, size=None):
+    s = kw["img_size"] if size is None else size
+    h, w = (s, s) if isinstance(s, int) else s
+    return torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_from_timm_matches_outputs(case):
+    kw = CASES[case]
+    t = randomised(kw)
+    v = vitattn.from_timm(t).eval()
+    x = images(kw)
+    with torch.no_grad():
+        assert torch.allclose(v(x), t(x), atol=1e-5)
+        assert torch.allclose(v.forward_features(x), t.forward_features(x), atol=1e-5)
+        assert torch.allclose(v.forward_head(v.forward_features(x), pre_logits=True),
+                              t.forward_head(t.forward_features(x), pre_logits=True), atol=1e-5)
+    # fused and explicit paths are both timm's numbers
+    for blk in v.blocks:
+        blk.attn.fused = False
+    with torch.no_grad():
+        assert torch.allclose(v(x), t(x), atol=1e-5)
+
+
+def test_dynamic_img_size_matches_timm_at_other_sizes():
+    kw = CASES["layerscale_qknorm_dynamic"]
+    t, = (randomised(kw),)
+    v = vitattn.from_timm(t).eval()
+    for size in ((48, 64), (16, 40)):
+        x = images(kw, size=size)
+        with torch.no_grad():
+            assert torch.allclose(v(x), t(x), atol=1e-5), size
+
+
+def test_intermediates_match_timm():
+    kw = CASES["cls_token"]
+    t = randomised(kw)
+    v = vitattn.from_timm(t).eval()
+    x = images(kw)
+    with torch.no_grad():
+        tf, ti = t.forward_intermediates(x, indices=2, norm=True)
+        vf, vi = v.forward_intermediates(x, indices=2, norm=True)
+    assert torch.allclose(tf, vf, atol=1e-5)
+    assert all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5) for a, b in zip(ti, vi))
+
+
+@pytest.mark.parametrize("case", ["cls_token", "avg_no_cls_nonsquare", "layerscale_qknorm_dynamic"])
+def test_to_timm_round_trip(case):
+    kw = CASES[case]
+    cfg = vitattn.ViTConfig(**kw)
+    torch.manual_seed(0)
+    v = vitattn.ViT(cfg).eval()
+    with torch.no_grad():
+        for p in v.parameters():
+            p.normal_(0, 0.2)
+    t = VisionTransformer(**kw).eval()
+    t.load_state_dict(vitattn.to_timm_state_dict(v), strict=True)
+    x = images(kw)
+    with torch.no_grad():
+        assert torch.allclose(v(x), t(x), atol=1e-5)
+        assert torch.allclose(vitattn.to_timm(v).eval()(x), t(x), atol=1e-6)
+
+
+def test_timm_preset_names_convert():
+    t = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5).eval()
+    v = vitattn.from_timm(t).eval()
+    assert v.config.embed_dim == 192 and v.config.depth == 12 and v.config.num_heads == 3
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.allclose(v(x), t(x), atol=1e-5)
+
+
+def test_unsupported_options_are_named():
+    t = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, reg_tokens=2,
+                          no_embed_class=True)
+    with pytest.raises(ValueError, match="reg_tokens=2, no_embed_class=True"):
+        vitattn.from_timm(t)
+    with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
+        vitattn.from_timm(torch.nn.Linear(2, 2))

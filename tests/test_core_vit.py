@@ -1,0 +1,223 @@
+"""The ViT, the CNN and the registry: interfaces, gradients, invariances, errors, learning."""
+
+import pytest
+import torch
+
+import vitattn
+from vitattn import SmallCNN, ViT, ViTConfig, create_model, list_models
+
+TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    return ViT(**{**TINY, **kw})
+
+
+def test_readme_example():
+    model = vitattn.create_model("vit_tiny_patch16_224", num_classes=10).eval()
+    images = torch.randn(2, 3, 224, 224)
+    logits = model(images)
+    maps = model.get_attention_maps(images)
+    assert logits.shape == (2, 10)
+    assert len(maps) == 12 and all(m.shape == (2, 3, 197, 197) for m in maps)
+
+
+@pytest.mark.parametrize("pos_embed", ["learn", "sincos1d", "sincos2d", "none"])
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_every_parameter_gets_a_gradient(pos_embed, pool):
+    m = tiny(pos_embed=pos_embed, global_pool=pool, class_token=pool == "token", init_values=0.1, qk_norm=True)
+    out = m(torch.randn(2, 3, 16, 16))
+    assert out.shape == (2, 5) and torch.isfinite(out).all()
+    out.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_encoder_is_permutation_equivariant_without_positions():
+    m = tiny(pos_embed="none", class_token=False, global_pool="avg").eval()
+    tokens, grid = m.patch_embed(torch.randn(2, 3, 16, 16))
+    perm = torch.randperm(tokens.shape[1], generator=torch.Generator().manual_seed(0))
+
+    def encode(x):
+        for blk in m.blocks:
+            x = blk(x)
+        return m.norm(x)
+
+    assert torch.allclose(encode(tokens)[:, perm], encode(tokens[:, perm]), atol=1e-5)
+    # ... so the pooled prediction cannot see where things are: shuffled patches, same logits
+    assert torch.allclose(m.forward_head(encode(tokens)), m.forward_head(encode(tokens[:, perm])), atol=1e-5)
+
+
+def test_positions_break_the_symmetry():
+    """'I like you' vs 'you like me': with positions, the same patches in another order give other logits."""
+    m = tiny(pos_embed="sincos2d").eval()
+    x = torch.randn(1, 3, 16, 16)
+    swapped = torch.cat([x[..., 8:], x[..., :8]], dim=-1)  # swap left and right halves
+    assert not torch.allclose(m(x), m(swapped), atol=1e-4)
+
+
+def test_forward_features_head_and_pre_logits():
+    m = tiny().eval()
+    x = torch.randn(2, 3, 16, 16)
+    feats = m.forward_features(x)
+    assert feats.shape == (2, 1 + 16, 32)
+    assert m.num_features == 32 and m.num_prefix_tokens == 1
+    assert m.forward_head(feats, pre_logits=True).shape == (2, 32)
+    assert torch.allclose(m.forward_head(feats), m(x))
+
+
+def test_forward_intermediates():
+    m = tiny(depth=4).eval()
+    x = torch.randn(2, 3, 16, 12)
+    with pytest.raises(ValueError, match="position table"):
+        m(x)
+    m = tiny(depth=4, dynamic_img_size=True).eval()
+    final, inter = m.forward_intermediates(x)
+    assert torch.allclose(final, m.forward_features(x), atol=1e-6)
+    assert len(inter) == 4 and all(t.shape == (2, 32, 4, 3) for t in inter)
+    last2 = m.forward_intermediates(x, indices=2, intermediates_only=True)
+    assert len(last2) == 2 and torch.allclose(last2[1], inter[3])
+    picked = m.forward_intermediates(x, indices=[0, -1], output_fmt="NLC", norm=True, intermediates_only=True)
+    assert picked[0].shape == (2, 12, 32)
+    assert torch.allclose(picked[1], final[:, 1:], atol=1e-6)  # normed last block == forward_features
+    with_prefix = m.forward_intermediates(x, indices=[1], return_prefix_tokens=True, intermediates_only=True)
+    assert with_prefix[0][1].shape == (2, 1, 32)
+    with pytest.raises(ValueError, match="out of range"):
+        m.forward_intermediates(x, indices=[4])
+    with pytest.raises(ValueError, match="output_fmt"):
+        m.forward_intermediates(x, output_fmt="NHWC")
+
+
+def test_attention_maps_match_forward():
+    m = tiny(depth=3).eval()
+    x = torch.randn(2, 3, 16, 16)
+    maps = m.get_attention_maps(x)
+    assert len(maps) == 3 and all(a.shape == (2, 4, 17, 17) for a in maps)
+    assert all(torch.allclose(a.sum(-1), torch.ones(2, 4, 17), atol=1e-5) for a in maps)
+    # the maps come from the same computation as forward: redo forward from them by hand in block 0
+    blk = m.blocks[0]
+    tokens, _ = m.embed(x)
+    q, k, v = blk.attn.project_qkv(blk.norm1(tokens), None)
+    assert torch.allclose(maps[0], ((q @ k.transpose(-2, -1)) * blk.attn.scale).softmax(-1), atol=1e-5)
+
+
+def test_dynamic_img_size_and_fixed_encodings_take_any_size():
+    for kw in (dict(dynamic_img_size=True), dict(pos_embed="sincos2d"), dict(pos_embed="sincos1d")):
+        m = tiny(**kw).eval()
+        for size in ((16, 16), (8, 24), (32, 20)):
+            assert m(torch.randn(1, 3, *size)).shape == (1, 5)
+
+
+def test_sincos_tables_are_computed_for_the_grid():
+    m = tiny(pos_embed="sincos2d").eval()
+    pos = m.pos_embed_for((3, 5), torch.zeros(1))
+    assert pos.shape == (1, 1 + 15, 32)
+    assert torch.equal(pos[0, 0], torch.zeros(32))  # the class token gets no position
+    assert torch.allclose(pos[0, 1:], vitattn.sincos_2d(3, 5, 32))
+
+
+def test_load_weights_resamples_skips_head_and_names_bad_keys():
+    src = tiny(num_classes=7)
+    dst = tiny(img_size=24, num_classes=3)
+    report = dst.load_weights(src.state_dict())
+    assert report["skipped"] == ["head.weight", "head.bias"] and report["missing"] == []
+    assert torch.equal(dst.blocks[1].mlp.fc2.weight, src.blocks[1].mlp.fc2.weight)
+    assert dst.pos_embed.shape == (1, 1 + 36, 32)
+    bad = tiny(mlp_ratio=2.0)
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.fc1\.weight: checkpoint \(128, 32\) vs model \(64, 32\)"):
+        bad.load_weights(src.state_dict())
+    with pytest.raises(RuntimeError, match="size mismatch for blocks.0.mlp.fc1.weight"):
+        bad.load_state_dict(src.state_dict())
+    with pytest.raises(ValueError, match="missing"):
+        dst.load_weights({k: v for k, v in src.state_dict().items() if k != "norm.weight"})
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown pos_embed"):
+        ViTConfig(pos_embed="rope")
+    with pytest.raises(ValueError, match="needs class_token=True"):
+        ViTConfig(class_token=False, global_pool="token")
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        ViTConfig(embed_dim=100, num_heads=3)
+
+
+def test_registry():
+    names = list_models()
+    assert {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "cnn_cifar"} <= set(names)
+    assert list_models("cnn*") == [n for n in names if n.startswith("cnn")]
+    with pytest.raises(ValueError, match="unknown model 'vit_huge'; available: .*vit_tiny_patch16_224"):
+        create_model("vit_huge")
+    with pytest.raises(TypeError, match="no option"):
+        create_model("vit_cifar_patch4", embed_dims=4)
+    m = create_model("vit_cifar_patch4", depth=2, global_pool="avg", class_token=False)
+    assert len(m.blocks) == 2 and m.num_prefix_tokens == 0
+
+
+def test_preset_dims_match_timm():
+    timm = pytest.importorskip("timm")
+    for name in ("vit_tiny_patch16_224", "vit_small_patch16_224"):
+        ours = sum(p.numel() for p in create_model(name).parameters())
+        theirs = sum(p.numel() for p in timm.create_model(name, pretrained=False).parameters())
+        assert ours == theirs, name
+
+
+def test_reset_classifier():
+    m = tiny()
+    m.reset_classifier(0)
+    assert m(torch.randn(1, 3, 16, 16)).shape == (1, 32)
+    m.reset_classifier(3, global_pool="avg")
+    assert m(torch.randn(1, 3, 16, 16)).shape == (1, 3)
+
+
+def test_drop_path_and_layer_scale():
+    from vitattn import DropPath, LayerScale
+
+    torch.manual_seed(0)
+    dp = DropPath(0.5).train()
+    y = dp(torch.ones(1000, 3))
+    kept = (y[:, 0] != 0).float().mean()
+    assert 0.4 < kept < 0.6 and torch.allclose(y[y != 0], torch.tensor(2.0))
+    assert torch.equal(dp.eval()(torch.ones(4, 3)), torch.ones(4, 3))
+    m = tiny(drop_path_rate=0.2, depth=3)
+    assert [getattr(b.drop_path1, "drop_prob", 0.0) for b in m.blocks] == pytest.approx([0.0, 0.1, 0.2])
+    assert torch.equal(LayerScale(4, 0.1)(torch.ones(2, 4)), torch.full((2, 4), 0.1))
+
+
+def test_cnn_interface_and_strides():
+    torch.manual_seed(0)
+    cnn = create_model("cnn_cifar_small").eval()
+    assert isinstance(cnn, SmallCNN)
+    x = torch.randn(2, 3, 32, 32)
+    feats = cnn.forward_features(x)
+    assert feats.shape == (2, cnn.num_features, 4, 4)
+    assert cnn.forward_head(feats, pre_logits=True).shape == (2, cnn.num_features)
+    inter = cnn.forward_intermediates(x, intermediates_only=True)
+    assert [t.shape[-1] for t in inter] == [16, 8, 4]
+    with pytest.raises(ValueError, match=r"expected images \(B, 3, H, W\)"):
+        cnn(torch.randn(2, 1, 32, 32))
+
+
+def test_cifar_presets_are_matched_in_size():
+    vit = sum(p.numel() for p in create_model("vit_cifar_patch4").parameters())
+    cnn = sum(p.numel() for p in create_model("cnn_cifar").parameters())
+    assert 0.8 < vit / cnn < 1.25
+
+
+@pytest.mark.parametrize("name", ["vit_cifar_patch4", "cnn_cifar_small"])
+def test_short_training_lowers_the_loss(name):
+    """A few steps on a fixed synthetic batch: the model must fit it (loss falls by half)."""
+    torch.manual_seed(0)
+    overrides = dict(depth=1, embed_dim=64, num_heads=2) if name.startswith("vit") else dict(widths=(16, 32, 32))
+    model = create_model(name, **overrides)
+    x = torch.randn(16, 3, 32, 32)
+    y = torch.randint(0, 10, (16,))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::8]
