@@ -1,0 +1,239 @@
+"""Global-context measures (vitattn.context) and the long-range task (vitattn.longrange)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vitattn import CNNConfig, SmallCNN, ViT, ViTConfig
+from vitattn.context import (
+    attention_rollout,
+    effective_receptive_field,
+    head_attention_maps,
+    mean_attention_distance,
+    patch_centres,
+    rollout_map,
+    weighted_radius,
+)
+from vitattn.longrange import (
+    GLYPHS,
+    LONG_RANGE_CLASSES,
+    MARK_COLOURS,
+    accuracy_by_distance,
+    make_long_range,
+    make_long_range_specs,
+    render_long_range,
+)
+
+
+def uniform_maps(layers=2, b=2, heads=3, n=64, p=0):
+    return [torch.full((b, heads, p + n, p + n), 1.0 / (p + n)) for _ in range(layers)]
+
+
+def test_patch_centres_are_pixel_centres():
+    pos = patch_centres((2, 3), 4)
+    assert pos.tolist() == [[2, 2], [2, 6], [2, 10], [6, 2], [6, 6], [6, 10]]
+
+
+# -- mean attention distance ------------------------------------------------------------------
+def test_uniform_attention_on_8x8_grid_of_4px_patches_is_16_55px():
+    mad = mean_attention_distance(uniform_maps(), (8, 8), 4, 0)
+    assert mad.shape == (2, 3)
+    torch.testing.assert_close(mad, torch.full((2, 3), 16.5459), atol=1e-3, rtol=0)
+
+
+def test_self_attention_only_is_zero_and_prefix_tokens_are_dropped():
+    eye = torch.eye(1 + 64).expand(2, 4, 65, 65)
+    assert mean_attention_distance([eye], 8, 4, 1).abs().max() == 0
+    # Half the mass on the class token, half uniform over patches: renormalised, that is uniform.
+    a = torch.full((1, 1, 65, 65), 0.5 / 64)
+    a[..., 0] = 0.5
+    torch.testing.assert_close(mean_attention_distance([a], 8, 4, 1), torch.tensor([[16.5459]]), atol=1e-3, rtol=0)
+    # Without renormalising, class-token mass counts as distance 0: half the uniform value.
+    raw = mean_attention_distance([a], 8, 4, 1, renormalize=False)
+    torch.testing.assert_close(raw, torch.tensor([[16.5459 / 2]]), atol=1e-3, rtol=0)
+
+
+def test_attention_distance_per_head_and_layer_and_rectangular_patches():
+    # Head 0 attends to the right neighbour (4 px away), head 1 to the one below (8 px with 8x4 patches).
+    gh = gw = 4
+    n = gh * gw
+    a = torch.zeros(1, 2, n, n)
+    for i in range(n):
+        r, c = divmod(i, gw)
+        a[0, 0, i, r * gw + (c + 1) % gw] = 1
+        a[0, 1, i, ((r + 1) % gh) * gw + c] = 1
+    mad = mean_attention_distance(torch.stack([a, a]), (gh, gw), (8, 4), 0)
+    # 12 of 16 queries look one cell on, the 4 that wrap around look 3 cells back.
+    torch.testing.assert_close(mad[0], torch.tensor([(12 * 4 + 4 * 12) / 16, (12 * 8 + 4 * 24) / 16]))
+    torch.testing.assert_close(mad[1], mad[0])
+
+
+def test_attention_distance_rejects_mismatched_grid():
+    with pytest.raises(ValueError, match="grid"):
+        mean_attention_distance(uniform_maps(n=64), (4, 4), 4, 0)
+
+
+def test_attention_distance_of_a_real_vit_matches_uniform_at_init_scale():
+    torch.manual_seed(0)
+    vit = ViT(ViTConfig(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=2))
+    maps = vit.get_attention_maps(torch.randn(4, 3, 32, 32))
+    mad = mean_attention_distance(maps, vit.grid_size, 4, vit.num_prefix_tokens)
+    assert mad.shape == (2, 2)
+    # Near-zero init gives near-uniform attention: close to 16.55 px, and never beyond the max.
+    assert ((mad - 16.55).abs() < 1.0).all(), mad
+
+
+# -- attention rollout --------------------------------------------------------------------------
+def test_rollout_rows_sum_to_one_and_identity_attention_gives_identity():
+    torch.manual_seed(0)
+    maps = [torch.softmax(torch.randn(2, 3, 17, 17), -1) for _ in range(4)]
+    r = attention_rollout(maps, 1)
+    assert r.shape == (2, 17, 17)
+    torch.testing.assert_close(r.sum(-1), torch.ones(2, 17))
+    assert (r >= 0).all()
+    eye = [torch.eye(17).expand(2, 3, 17, 17) for _ in range(3)]
+    torch.testing.assert_close(attention_rollout(eye, 1), torch.eye(17).expand(2, 17, 17))
+
+
+def test_rollout_of_one_layer_is_half_attention_half_identity():
+    a = torch.softmax(torch.randn(1, 2, 5, 5), -1)
+    r = attention_rollout([a], 0)
+    torch.testing.assert_close(r[0], 0.5 * a[0].mean(0) + 0.5 * torch.eye(5))
+    with pytest.raises(ValueError, match="head_fusion"):
+        attention_rollout([a], 0, head_fusion="median")
+
+
+def test_rollout_map_and_head_maps():
+    torch.manual_seed(0)
+    maps = [torch.softmax(torch.randn(2, 3, 1 + 16, 1 + 16), -1) for _ in range(2)]
+    m = rollout_map(attention_rollout(maps, 1), (4, 4), 1)
+    assert m.shape == (2, 4, 4)
+    torch.testing.assert_close(m.sum((1, 2)), torch.ones(2))
+    h = head_attention_maps(maps[0], (4, 4), 1)
+    assert h.shape == (2, 3, 4, 4)
+    expect = maps[0][0, 1, 0, 1:] / maps[0][0, 1, 0, 1:].sum()
+    torch.testing.assert_close(h[0, 1].flatten(), expect)
+    # A patch query by (row, col) and by index agree.
+    torch.testing.assert_close(head_attention_maps(maps[0], 4, 1, (2, 3)), head_attention_maps(maps[0], 4, 1, 11))
+
+
+# -- effective receptive field ------------------------------------------------------------------
+class OneConv(nn.Module):
+    """A single 3x3 convolution with the intermediates interface."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Conv2d(3, 4, 3, padding=1)])
+
+    def forward_intermediates(self, x, indices=None, intermediates_only=True):
+        return [self.stages[0](x)]
+
+
+def test_erf_of_a_single_3x3_conv_is_exactly_3x3():
+    torch.manual_seed(0)
+    model = OneConv()
+    (field,) = effective_receptive_field(model, torch.randn(3, 3, 15, 15))
+    assert field["name"] == "stages.0" and field["stride"] == (1.0, 1.0) and field["centre"] == (7.0, 7.0)
+    nz = field["grad"] > 0
+    assert nz.sum() == 9 and nz[6:9, 6:9].all(), nz.nonzero().tolist()
+    # The radius is the gradient-weighted mean distance from the centre pixel, so it lies in (0, sqrt 2].
+    assert 0 < field["radius_px"] <= 2**0.5
+    assert field["radius_px"] == pytest.approx(weighted_radius(field["grad"], (7, 7)))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_vit_first_block_sees_the_whole_image_and_cnn_first_stage_is_local():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    vit = ViT(ViTConfig(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=2))
+    cnn = SmallCNN(CNNConfig(stem_width=8, widths=(8, 16, 16), num_classes=2))
+    vit.train()
+    cnn.train()
+    v = effective_receptive_field(vit, x, indices=[0])[0]
+    c = effective_receptive_field(cnn, x)
+    assert v["name"] == "blocks.0" and v["stride"] == (4.0, 4.0) and len(c) == 3
+    assert (v["grad"] > 0).all(), "every pixel reaches the centre patch after one global attention"
+    # stem conv3x3 -> conv3x3 -> pool/2 -> conv3x3: a 10x10 window around the centre unit.
+    nz = (c[0]["grad"] > 0).nonzero()
+    assert nz.min(0).values.tolist() == [12, 12] and nz.max(0).values.tolist() == [21, 21]
+    outside = torch.ones(32, 32, dtype=torch.bool)
+    outside[12:22, 12:22] = False
+    assert v["grad"][outside].sum() > 0 and c[0]["grad"][outside].sum() == 0
+    # Deeper CNN stages see farther.
+    radii = [f["radius_px"] for f in c]
+    assert radii == sorted(radii)
+    # The models keep their mode and get no parameter gradients.
+    assert vit.training and cnn.training
+    assert all(p.grad is None for p in [*vit.parameters(), *cnn.parameters()])
+
+
+def test_erf_rejects_integer_images():
+    with pytest.raises(ValueError, match="float images"):
+        effective_receptive_field(OneConv(), torch.zeros(1, 3, 8, 8, dtype=torch.uint8))
+
+
+# -- the long-range task ------------------------------------------------------------------------
+def test_long_range_is_deterministic_balanced_and_typed():
+    a = make_long_range(400, seed=3)
+    b = make_long_range(400, seed=3)
+    c = make_long_range(400, seed=4)
+    assert a["images"].shape == (400, 3, 32, 32) and a["images"].dtype == torch.uint8
+    assert a["labels"].dtype == torch.int64 and a["distance"].dtype == torch.float32
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(a["images"], c["images"])
+    assert a["labels"].sum() == 200 and len(LONG_RANGE_CLASSES) == 2
+
+
+def test_long_range_distances_cover_near_to_far_and_can_be_set():
+    d = make_long_range_specs(2000, seed=0)["distance"]
+    assert d.min() < 5 and d.max() > 27
+    assert (d >= 3.5).all()
+    fixed = make_long_range_specs(300, seed=0, distances=[4, 26])["distance"]
+    assert ((fixed - 4).abs() <= 0.5).sum() == 150 and ((fixed - 26).abs() <= 0.5).sum() == 150
+    with pytest.raises(ValueError, match="overlap"):
+        make_long_range_specs(10, seed=0, distances=2)
+    with pytest.raises(ValueError, match="fits"):
+        make_long_range_specs(10, seed=0, distances=60)
+
+
+def test_long_range_one_mark_says_nothing_about_the_label():
+    s = make_long_range_specs(8000, seed=1)
+    y = s["labels"].float()
+    # Same-shape label really is what it says, and glyphs share one area.
+    assert torch.equal(s["labels"], (s["shapes"][:, 0] == s["shapes"][:, 1]).long())
+    assert len({int(g.sum()) for g in GLYPHS}) == 1
+    # For either mark alone, every shape, colour and position band holds both labels equally.
+    for m in (0, 1):
+        for key, values in (("shapes", s["shapes"][:, m]), ("colours", s["colours"][:, m]),
+                            ("row band", s["centres"][:, m, 0] // 8), ("col band", s["centres"][:, m, 1] // 8)):
+            for v in values.unique():
+                sel = values == v
+                assert abs(y[sel].mean() - 0.5) < 0.06, (m, key, int(v), float(y[sel].mean()), int(sel.sum()))
+    # Distance is independent of the label.
+    assert abs(s["distance"][y == 1].mean() - s["distance"][y == 0].mean()) < 0.5
+
+
+def test_long_range_marks_are_drawn_where_the_specs_say():
+    s = make_long_range_specs(50, seed=2)
+    both = render_long_range(s)
+    first = render_long_range(s, marks=(True, False))
+    none = render_long_range(s, marks=(False, False))
+    for i in range(50):
+        for m, img in ((0, first), (1, both)):
+            r, c = s["centres"][i, m].tolist()
+            on = GLYPHS[s["shapes"][i, m]]
+            patch = img[i, :, r - 1:r + 2, c - 1:c + 2]
+            colour = MARK_COLOURS[s["colours"][i, m]].to(torch.uint8)
+            assert (patch.permute(1, 2, 0)[on] == colour).all()
+    # Outside the marks, the images are the same background.
+    assert ((both != none).any(1).sum((1, 2)) == 10).all()
+
+
+def test_accuracy_by_distance_bins():
+    correct = torch.tensor([True, False, True, True])
+    dist = torch.tensor([4.0, 5.0, 20.0, 30.0])
+    out = accuracy_by_distance(correct, dist, edges=(0, 10, 25, 40))
+    assert out["count"] == [2, 1, 1] and out["accuracy"] == [0.5, 1.0, 1.0]

@@ -1,0 +1,268 @@
+"""Global context, measured: how far each layer of a model looks.
+
+Three measures, all in pixels of the input image so a ViT and a CNN share one axis:
+
+- ``mean_attention_distance``: for each layer and head, the attention-weighted distance between a
+  query patch and the patches it attends to, ``sum_j A_ij * ||pos_i - pos_j||``, averaged over
+  queries and images (ViT paper, appendix D.7). Uniform attention over an 8x8 grid of 4-px
+  patches gives 16.55 px; attention to self only gives 0.
+- ``effective_receptive_field``: the gradient of a layer's centre unit with respect to the input
+  pixels (Luo et al. 2016), ``|grad|`` summed over channels and images, and its radius: the same
+  weighted mean distance, with the normalised gradient as the weights, from the unit's centre.
+- ``attention_rollout``: attention flow through the residual stream, head-averaged attention plus
+  identity, renormalised and multiplied through the layers (Abnar & Zuidema 2020).
+
+Prefix tokens (class / register tokens) have no place on the image, so distances leave them out:
+prefix queries are dropped, prefix keys are dropped and each remaining row is renormalised over
+the patch keys (``renormalize=True``), i.e. the distance of the attention a patch pays to other
+patches. ``renormalize=False`` keeps the raw weights, which counts attention to prefix tokens as
+distance 0 (an attention-to-class-token-heavy head then reads as local).
+
+Shapes: attention maps ``(B, heads, P + N, P + N)`` per layer (``ViT.get_attention_maps``),
+``P`` prefix tokens, ``N = gh * gw`` patches in row-major order; images ``(B, C, H, W)``.
+
+References: Dosovitskiy et al. 2021, appendix D.7; Luo et al. 2016, "Understanding the Effective
+Receptive Field in Deep CNNs"; Abnar & Zuidema 2020, "Quantifying Attention Flow in
+Transformers"; jacobgil/vit-explain for the head-fusion options of rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from einops import rearrange
+from torch import nn
+
+Size2 = tuple[int, int]
+
+
+def _pair(x: int | Sequence[int]) -> Size2:
+    return (int(x), int(x)) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
+def patch_centres(grid: int | Size2, patch_size: int | Size2) -> torch.Tensor:
+    """``(gh * gw, 2)`` pixel coordinates (row, col) of each patch centre, row-major."""
+    (gh, gw), (ph, pw) = _pair(grid), _pair(patch_size)
+    rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    return torch.stack([(rows.flatten() + 0.5) * ph, (cols.flatten() + 0.5) * pw], 1).double()
+
+
+def _stack_maps(maps: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """A list of per-layer ``(B, heads, T, T)`` maps, or a tensor of them, as ``(L, B, heads, T, T)``."""
+    if isinstance(maps, torch.Tensor):
+        if maps.ndim == 4:
+            maps = maps[None]
+        if maps.ndim != 5:
+            raise ValueError(f"expected attention maps (layers, B, heads, T, T) or (B, heads, T, T), "
+                             f"got {tuple(maps.shape)}")
+        return maps
+    maps = list(maps)
+    if not maps:
+        raise ValueError("expected at least one attention map, got an empty list")
+    shapes = {tuple(m.shape) for m in maps}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 4:
+        raise ValueError(f"expected per-layer maps of one shape (B, heads, T, T), got {sorted(shapes)}")
+    return torch.stack(maps)
+
+
+def patch_attention(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int,
+                    renormalize: bool = True) -> torch.Tensor:
+    """``(L, B, heads, P + N, P + N) -> (L, B, heads, N, N)``: patch queries to patch keys, rows
+    renormalised to sum to 1 when ``renormalize`` (see the module note on prefix tokens)."""
+    a = _stack_maps(maps)
+    p = num_prefix_tokens
+    if a.shape[-1] != a.shape[-2] or a.shape[-1] <= p:
+        raise ValueError(f"attention maps {tuple(a.shape[-2:])} do not fit {p} prefix tokens plus patches")
+    a = a[..., p:, p:].double()
+    if renormalize:
+        a = a / a.sum(-1, keepdim=True).clamp_min(1e-12)
+    return a
+
+
+def mean_attention_distance(maps: torch.Tensor | Sequence[torch.Tensor], grid: int | Size2,
+                            patch_size: int | Size2, num_prefix_tokens: int, *,
+                            renormalize: bool = True) -> torch.Tensor:
+    """Mean attention distance in pixels, ``(layers, heads)``.
+
+    ``maps``: per-layer ``(B, heads, P + N, P + N)`` attention weights (a list, or a stacked
+    ``(L, B, heads, P + N, P + N)`` tensor). Each patch query i contributes
+    ``sum_j A_ij ||pos_i - pos_j||`` over patch keys j (patch centres in pixels); the result is the
+    mean over queries and images. Prefix tokens: see the module note.
+    """
+    a = patch_attention(maps, num_prefix_tokens, renormalize)
+    pos = patch_centres(grid, patch_size)
+    if a.shape[-1] != len(pos):
+        raise ValueError(f"attention maps have {a.shape[-1]} patch tokens after {num_prefix_tokens} prefix "
+                         f"token(s), but the grid {_pair(grid)} has {len(pos)}")
+    dist = torch.cdist(pos, pos).to(a.device)  # (N, N) pixels
+    per_query = torch.einsum("lbhij,ij->lbhi", a, dist)
+    return per_query.mean(dim=(1, 3)).float()
+
+
+def _num_layers(model: nn.Module) -> int:
+    for name in ("blocks", "stages"):
+        if isinstance(getattr(model, name, None), nn.ModuleList | nn.Sequential):
+            return len(getattr(model, name))
+    raise ValueError(f"{type(model).__name__} has neither .blocks nor .stages; pass explicit indices")
+
+
+def _layer_name(model: nn.Module, i: int) -> str:
+    for name in ("blocks", "stages"):
+        if hasattr(model, name):
+            return f"{name}.{i}"
+    return f"layer{i}"
+
+
+def _resolve_indices(model: nn.Module, indices: int | Sequence[int] | None) -> list[int]:
+    if indices is not None and not isinstance(indices, int):
+        idx = list(indices)
+        if any(i < 0 for i in idx):
+            n = _num_layers(model)
+            idx = [i % n for i in idx]
+        return idx
+    n = _num_layers(model)
+    return list(range(n)) if indices is None else list(range(n - indices, n))
+
+
+def weighted_radius(weights: torch.Tensor, centre: Sequence[float]) -> float:
+    """``sum_p w_p ||p - centre|| / sum_p w_p`` over the pixels of an ``(H, W)`` weight map."""
+    h, w = weights.shape
+    rows, cols = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
+                                indexing="ij")
+    dist = torch.hypot(rows - centre[0], cols - centre[1])
+    wts = weights.double()
+    total = wts.sum()
+    if total <= 0:
+        raise ValueError("the weight map is all zero; the unit does not depend on the input")
+    return float((wts * dist).sum() / total)
+
+
+def mass_radius(weights: torch.Tensor, centre: Sequence[float], fraction: float = 0.9) -> float:
+    """The smallest distance from ``centre`` within which ``fraction`` of the weight lies."""
+    h, w = weights.shape
+    rows, cols = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
+                                indexing="ij")
+    dist = torch.hypot(rows - centre[0], cols - centre[1]).flatten()
+    order = dist.argsort()
+    cum = weights.double().flatten()[order].cumsum(0)
+    k = int(torch.searchsorted(cum, fraction * cum[-1]))
+    return float(dist[order][min(k, len(order) - 1)])
+
+
+def effective_receptive_field(model: nn.Module, images: torch.Tensor,
+                              indices: int | Sequence[int] | None = None) -> list[dict]:
+    """The effective receptive field of each ViT block / CNN stage (Luo et al. 2016).
+
+    For each layer map ``(B, C, h, w)`` from ``model.forward_intermediates(x, indices=...,
+    intermediates_only=True)``, the centre unit ``(h // 2, w // 2)`` summed over channels is
+    differentiated with respect to the input; ``|grad|`` summed over input channels and images is
+    the field ``grad`` ``(H, W)``. Images are independent in eval mode, so one backward pass per
+    layer gives every image's gradient at once.
+
+    Returns one dict per layer: ``index``, ``name`` (e.g. ``'blocks.3'``), ``stride`` (input pixels
+    per map cell, ``(sy, sx)``), ``map_size`` ``(h, w)``, ``centre`` (the unit's centre in input
+    pixel coordinates), ``grad`` (H, W) float32 on the CPU, ``radius_px`` (gradient-weighted mean
+    distance from the centre: the attention-distance formula with the normalised gradient as the
+    weights), ``radius90_px`` (radius holding 90% of the gradient mass). The model runs in eval
+    mode without touching parameter ``.grad``; its train/eval mode is restored.
+    """
+    if images.ndim != 4 or not images.is_floating_point():
+        raise ValueError(f"expected float images (B, C, H, W), got {images.dtype} {tuple(images.shape)}")
+    idx = _resolve_indices(model, indices)
+    was_training = model.training
+    model.eval()
+    try:
+        x = images.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            feats = model.forward_intermediates(x, indices=idx, intermediates_only=True)
+            if len(feats) != len(idx):
+                raise ValueError(f"forward_intermediates gave {len(feats)} maps for indices {idx}")
+            out = []
+            for k, (i, f) in enumerate(zip(idx, feats)):
+                if f.ndim != 4:
+                    raise ValueError(f"layer {i}: expected an NCHW map, got {tuple(f.shape)}")
+                h, w = f.shape[-2:]
+                centre_unit = f[:, :, h // 2, w // 2].sum()
+                (g,) = torch.autograd.grad(centre_unit, x, retain_graph=k < len(feats) - 1)
+                field = g.abs().sum(dim=(0, 1)).float().cpu()
+                sy, sx = x.shape[-2] / h, x.shape[-1] / w
+                # The unit's centre in pixel-index coordinates (pixel k spans [k - .5, k + .5]).
+                centre = ((h // 2 + 0.5) * sy - 0.5, (w // 2 + 0.5) * sx - 0.5)
+                out.append(dict(index=i, name=_layer_name(model, i), stride=(sy, sx), map_size=(h, w),
+                                centre=centre, grad=field, radius_px=weighted_radius(field, centre),
+                                radius90_px=mass_radius(field, centre, 0.9)))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def attention_rollout(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int, *,
+                      head_fusion: str = "mean", residual_weight: float = 0.5,
+                      start_layer: int = 0) -> torch.Tensor:
+    """Attention rollout ``(B, P + N, P + N)`` (Abnar & Zuidema 2020).
+
+    Per layer: fuse heads (``'mean'`` as in the paper, or ``'max'`` / ``'min'``), add the identity
+    for the residual path, ``A' = (1 - r) A + r I`` with ``r = residual_weight`` (0.5 in the paper),
+    renormalise rows; then ``R = A'_L ... A'_{start}``. Row i of ``R`` says how much each input token
+    flows into token i at the last layer; every row sums to 1. ``num_prefix_tokens`` only checks
+    that the maps have room for them: rollout keeps every token, prefix ones included.
+    """
+    a = _stack_maps(maps).double()
+    if a.shape[-1] != a.shape[-2] or a.shape[-1] <= num_prefix_tokens:
+        raise ValueError(f"attention maps {tuple(a.shape[-2:])} do not fit {num_prefix_tokens} prefix tokens")
+    if head_fusion == "mean":
+        a = a.mean(2)
+    elif head_fusion == "max":
+        a = a.amax(2)
+    elif head_fusion == "min":
+        a = a.amin(2)
+    else:
+        raise ValueError(f"head_fusion must be 'mean', 'max' or 'min', got {head_fusion!r}")
+    if not 0.0 <= residual_weight <= 1.0:
+        raise ValueError(f"residual_weight must be in [0, 1], got {residual_weight}")
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    rollout = eye.expand_as(a[0]).clone()
+    for layer in a[start_layer:]:
+        layer = (1 - residual_weight) * layer + residual_weight * eye
+        layer = layer / layer.sum(-1, keepdim=True)
+        rollout = layer @ rollout
+    return rollout.float()
+
+
+def rollout_map(rollout: torch.Tensor, grid: int | Size2, num_prefix_tokens: int) -> torch.Tensor:
+    """``(B, P + N, P + N) -> (B, gh, gw)``: what the class token draws from each patch (the mean
+    over patch queries when there is no prefix token), renormalised over patches to sum to 1."""
+    gh, gw = _pair(grid)
+    p = num_prefix_tokens
+    if rollout.shape[-1] != p + gh * gw:
+        raise ValueError(f"rollout has {rollout.shape[-1]} tokens, expected {p} + {gh}x{gw}")
+    row = rollout[:, 0, p:] if p > 0 else rollout[:, :, :].mean(1)
+    row = row / row.sum(-1, keepdim=True).clamp_min(1e-12)
+    return rearrange(row, "b (gh gw) -> b gh gw", gh=gh, gw=gw)
+
+
+def head_attention_maps(attn: torch.Tensor, grid: int | Size2, num_prefix_tokens: int,
+                        query: int | Size2 | None = None) -> torch.Tensor:
+    """One layer's attention ``(B, heads, P + N, P + N) -> (B, heads, gh, gw)``: where each head
+    of one query looks, over the patch keys (renormalised). ``query``: ``None`` for the class
+    token (the centre patch when there is no prefix token), a patch index (row-major) or a
+    ``(row, col)`` grid position."""
+    gh, gw = _pair(grid)
+    p = num_prefix_tokens
+    if attn.ndim != 4 or attn.shape[-1] != p + gh * gw:
+        raise ValueError(f"expected attention (B, heads, {p + gh * gw}, {p + gh * gw}), got {tuple(attn.shape)}")
+    if query is None:
+        q = 0 if p > 0 else p + (gh // 2) * gw + gw // 2
+    elif isinstance(query, int):
+        if not 0 <= query < gh * gw:
+            raise ValueError(f"query patch {query} out of range for a {gh}x{gw} grid")
+        q = p + query
+    else:
+        r, c = query
+        if not (0 <= r < gh and 0 <= c < gw):
+            raise ValueError(f"query position {(r, c)} outside the {gh}x{gw} grid")
+        q = p + r * gw + c
+    a = attn[:, :, q, p:]
+    a = a / a.sum(-1, keepdim=True).clamp_min(1e-12)
+    return rearrange(a, "b heads (gh gw) -> b heads gh gw", gh=gh, gw=gw)

@@ -1,0 +1,187 @@
+"""A long-range task made on the fly: do two distant marks have the same shape?
+
+Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a textured, noisy
+background; the label is ``same`` when both glyphs have the same shape, ``different`` otherwise.
+The marks sit a controlled distance apart (pixels between their centres), so accuracy against
+distance shows how well a model relates two regions as they move apart.
+
+Why the label cannot be read off one place:
+- each mark's shape and colour have the same distribution in both classes (the first is uniform;
+  the second copies it for ``same`` and is uniform over the others for ``different``), so one
+  mark alone says nothing about the label;
+- colours are drawn per mark, independently of the shapes and of the label, so colour is no cue;
+- every glyph has the same number of pixels, so mark area and brightness totals carry no cue;
+- the distance and the positions are drawn independently of the label, and classes are balanced.
+
+What a model must do is compare the two marks, wherever they are. A model with global pooling can
+do that by pooling per-shape detectors (``same`` = one shape type present), which still needs
+information from both regions to meet; how far apart they may be before that fails is what the
+accuracy-against-distance curve measures.
+
+    data = make_long_range(10_000, seed=0)
+    data["images"]    # (n, 3, 32, 32) uint8
+    data["labels"]    # (n,) int64, index into LONG_RANGE_CLASSES
+    data["distance"]  # (n,) float32, pixels between the two mark centres
+
+References: same/different tasks as a test of relational reasoning (Fleuret et al. 2011, SVRT;
+Kim, Ricci & Serre 2018, "Not-So-CLEVR"); Tay et al. 2021, Long Range Arena (Pathfinder), for
+the idea of a synthetic task whose difficulty is set by distance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+LONG_RANGE_CLASSES = ("different", "same")
+
+# 3x3 glyphs with 5 pixels each; equal area keeps pixel counts from telling shapes apart.
+GLYPHS = torch.tensor([
+    [[0, 1, 0], [1, 1, 1], [0, 1, 0]],  # plus
+    [[1, 0, 1], [0, 1, 0], [1, 0, 1]],  # cross
+    [[1, 1, 1], [0, 1, 0], [0, 1, 0]],  # tee
+    [[1, 0, 0], [1, 0, 0], [1, 1, 1]],  # ell
+], dtype=torch.bool)
+GLYPH_NAMES = ("plus", "cross", "tee", "ell")
+
+# Saturated mark colours, well outside the muted background range (below).
+MARK_COLOURS = torch.tensor([
+    [240, 40, 40], [40, 220, 60], [50, 90, 250], [250, 220, 30], [230, 50, 230], [30, 230, 230],
+], dtype=torch.float32)
+
+DEFAULT_DISTANCE_RANGE = (4.0, 28.0)
+MIN_DISTANCE = 3.5  # closer centres would make the 3x3 glyphs overlap
+
+
+def _ring_offsets(d: float, img_size: int) -> torch.Tensor:
+    """Integer offsets ``(k, 2)`` (dy, dx) whose length rounds to ``d`` (|len - d| <= 0.5), that
+    keep two 3x3 glyphs apart (Chebyshev >= 3) and fit inside the image."""
+    r = img_size - 3  # the largest offset between two glyph centres along one axis
+    ax = torch.arange(-r, r + 1)
+    dy, dx = torch.meshgrid(ax, ax, indexing="ij")
+    off = torch.stack([dy.flatten(), dx.flatten()], 1)
+    length = off.float().norm(dim=1)
+    keep = ((length - d).abs() <= 0.5) & (off.abs().amax(1) >= 3)
+    out = off[keep]
+    if len(out) == 0:
+        raise ValueError(f"no mark placement {d:.1f} px apart fits in a {img_size}x{img_size} image; "
+                         f"expected a distance in [{MIN_DISTANCE}, {math.sqrt(2) * r:.1f}]")
+    return out
+
+
+def _background(n: int, img_size: int, gen: torch.Generator) -> torch.Tensor:
+    """``(n, 3, H, W)`` float in [0, 255]: muted low-frequency colour blobs + oriented stripes +
+    pixel noise, so marks must be told from texture rather than from a flat field."""
+    grey = 70 + 70 * torch.rand(n, 1, 1, 1, generator=gen)
+    blobs = F.interpolate(torch.rand(n, 3, 5, 5, generator=gen) - 0.5, size=(img_size, img_size),
+                          mode="bicubic", align_corners=False)
+    yy, xx = torch.meshgrid(torch.arange(img_size).float(), torch.arange(img_size).float(), indexing="ij")
+    theta = math.pi * torch.rand(n, 1, 1, generator=gen)
+    freq = 2 * math.pi / (3 + 5 * torch.rand(n, 1, 1, generator=gen))  # periods of 3-8 px
+    phase = 2 * math.pi * torch.rand(n, 1, 1, generator=gen)
+    stripes = torch.sin(freq * (xx * torch.cos(theta) + yy * torch.sin(theta)) + phase)[:, None]
+    noise = torch.randn(n, 3, img_size, img_size, generator=gen)
+    return (grey + 60 * blobs + 14 * stripes + 12 * noise).clamp(0, 255)
+
+
+def _target_distances(num: int, distances, gen: torch.Generator) -> torch.Tensor:
+    if distances is None:
+        lo, hi = DEFAULT_DISTANCE_RANGE
+        return lo + (hi - lo) * torch.rand(num, generator=gen)
+    values = torch.as_tensor([distances] if isinstance(distances, (int, float)) else list(distances),
+                             dtype=torch.float32)
+    if values.ndim != 1 or len(values) == 0:
+        raise ValueError(f"distances must be a number or a sequence of numbers, got {distances!r}")
+    # Each listed distance gets an equal share (up to one image), in random order.
+    return values[torch.randperm(num, generator=gen) % len(values)]
+
+
+def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
+                          distances: float | Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """Everything about each image except its pixels: ``labels``, ``shapes`` ``(n, 2)``, ``colours``
+    ``(n, 2)`` (indices into ``GLYPHS`` / ``MARK_COLOURS``), ``centres`` ``(n, 2, 2)`` (row, col of
+    each mark centre), ``distance``. Deterministic for a seed."""
+    if num < 1:
+        raise ValueError(f"num must be >= 1, got {num}")
+    if img_size < 8:
+        raise ValueError(f"img_size must be >= 8 to hold two marks apart, got {img_size}")
+    gen = torch.Generator().manual_seed(seed)
+    labels = (torch.arange(num) % 2)[torch.randperm(num, generator=gen)]  # balanced to within one
+    k = len(GLYPHS)
+    first = torch.randint(k, (num,), generator=gen)
+    # "different": the second shape is uniform over the other k - 1, so its marginal stays uniform.
+    other = (first + 1 + torch.randint(k - 1, (num,), generator=gen)) % k
+    shapes = torch.stack([first, torch.where(labels == 1, first, other)], 1)
+    colours = torch.randint(len(MARK_COLOURS), (num, 2), generator=gen)
+
+    target = _target_distances(num, distances, gen)
+    if (target < MIN_DISTANCE).any():
+        raise ValueError(f"distances must be >= {MIN_DISTANCE} px (3x3 marks would overlap), "
+                         f"got min {target.min().item():.2f}")
+    offsets = torch.empty(num, 2, dtype=torch.long)
+    keys = (target * 2).round() / 2  # rings differ only at half-pixel steps: one ring per key
+    for key in keys.unique().tolist():
+        sel = (keys == key).nonzero().flatten()
+        ring = _ring_offsets(key, img_size)
+        offsets[sel] = ring[torch.randint(len(ring), (len(sel),), generator=gen)]
+    # The first centre is uniform over the places where both glyphs fit (centres in 1..H-2).
+    lo = 1 + (-offsets).clamp(min=0)
+    hi = img_size - 2 - offsets.clamp(min=0)
+    c1 = lo + (torch.rand(num, 2, generator=gen) * (hi - lo + 1)).long()
+    # Each ring holds (dy, dx) and (-dy, -dx) alike, so neither mark tends to a side or corner.
+    centres = torch.stack([c1, c1 + offsets], 1)
+    return dict(labels=labels, shapes=shapes, colours=colours, centres=centres,
+                distance=offsets.float().norm(dim=1), seed=torch.tensor(seed))
+
+
+def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
+                      marks: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+    """``(n, 3, H, W)`` uint8 images for ``make_long_range_specs``' output; ``marks`` chooses
+    which of the two marks to draw (for tests of what one mark alone reveals)."""
+    n = len(specs["labels"])
+    gen = torch.Generator().manual_seed(int(specs["seed"]) + 1_000_003)  # background stream
+    img = _background(n, img_size, gen)
+    gy, gx = torch.meshgrid(torch.arange(-1, 2), torch.arange(-1, 2), indexing="ij")
+    for m in (0, 1):
+        if not marks[m]:
+            continue
+        on = GLYPHS[specs["shapes"][:, m]].flatten(1)  # (n, 9)
+        rows = (specs["centres"][:, m, 0, None] + gy.flatten()).expand(n, 9)
+        cols = (specs["centres"][:, m, 1, None] + gx.flatten()).expand(n, 9)
+        b = torch.arange(n)[:, None].expand(n, 9)
+        colour = MARK_COLOURS[specs["colours"][:, m]]  # (n, 3)
+        colour = colour[:, None].expand(n, 9, 3)
+        # Advanced indexing puts the indexed dims first: img[b, :, r, c] is (k, 3).
+        img[b[on], :, rows[on], cols[on]] = colour[on]
+    return img.round().to(torch.uint8)
+
+
+def make_long_range(num: int, *, seed: int, img_size: int = 32,
+                    distances: float | Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """``num`` images of the long-range task: ``images`` (n, 3, H, W) uint8, ``labels`` (n,) int64
+    (index into ``LONG_RANGE_CLASSES``), ``distance`` (n,) float32 in pixels between the mark
+    centres. ``distances``: ``None`` for uniform in 4-28 px, a number, or a list of numbers that
+    share the images equally. The same seed gives the same data."""
+    specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances)
+    return dict(images=render_long_range(specs, img_size=img_size), labels=specs["labels"].long(),
+                distance=specs["distance"].float())
+
+
+def accuracy_by_distance(correct: torch.Tensor, distance: torch.Tensor,
+                         edges: Sequence[float] = (3.5, 8, 12, 16, 20, 24, 28.5, 42)) -> dict[str, list]:
+    """Accuracy per distance bin: ``{'edges', 'centres', 'accuracy', 'count'}`` (empty bins give
+    ``nan``). ``correct``: (n,) bool, prediction == label; ``distance``: (n,) pixels."""
+    if correct.shape != distance.shape:
+        raise ValueError(f"correct {tuple(correct.shape)} and distance {tuple(distance.shape)} differ in shape")
+    e = torch.as_tensor(edges, dtype=torch.float32)
+    which = torch.bucketize(distance.float(), e, right=True) - 1
+    acc, count = [], []
+    for i in range(len(e) - 1):
+        sel = which == i
+        count.append(int(sel.sum()))
+        acc.append(correct[sel].float().mean().item() if sel.any() else float("nan"))
+    centres = ((e[1:] + e[:-1]) / 2).tolist()
+    return dict(edges=e.tolist(), centres=centres, accuracy=acc, count=count)
