@@ -1,0 +1,261 @@
+"""ViTDet backbone, torchvision detectors built on it, and the COCO-style AP."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vitattn import ViT, resample_abs_pos_embed
+from vitattn.detection import (
+    DETECTORS,
+    ViTDetBackbone,
+    average_precision,
+    build_detector,
+    coco_map,
+    set_window_attention,
+    vitdet_window_blocks,
+)
+
+
+def tiny_vit(**kw) -> ViT:
+    torch.manual_seed(0)
+    cfg = dict(img_size=64, patch_size=16, embed_dim=32, depth=3, num_heads=2, num_classes=10)
+    return ViT(**{**cfg, **kw})
+
+
+# -- the pyramid ------------------------------------------------------------------------------
+@pytest.mark.parametrize("hw", [(64, 64), (96, 160), (112, 80), (100, 70)])
+def test_pyramid_strides_and_channels(hw):
+    bb = ViTDetBackbone(tiny_vit(), out_channels=24).eval()
+    assert bb.out_channels == 24
+    assert dict(bb.strides) == {"0": 4, "1": 8, "2": 16, "3": 32, "pool": 64}
+    with torch.no_grad():
+        out = bb(torch.randn(2, 3, *hw))
+    assert list(out) == ["0", "1", "2", "3", "pool"]
+    gh, gw = (math.ceil(s / 16) for s in hw)  # sides that do not divide are padded
+    expect = {"0": (4 * gh, 4 * gw), "1": (2 * gh, 2 * gw), "2": (gh, gw),
+              "3": (math.ceil(gh / 2), math.ceil(gw / 2))}
+    expect["pool"] = tuple(math.ceil(s / 2) for s in expect["3"])
+    for name, y in out.items():
+        assert tuple(y.shape) == (2, 24, *expect[name]), (name, tuple(y.shape), expect[name])
+        assert torch.isfinite(y).all()
+
+
+def test_pyramid_other_patch_and_scales():
+    vit = tiny_vit(patch_size=8)
+    bb = ViTDetBackbone(vit, out_channels=16, scale_factors=(2, 1, 0.5), top_block=False).eval()
+    assert dict(bb.strides) == {"0": 4, "1": 8, "2": 16}
+    out = bb(torch.randn(1, 3, 48, 80))
+    assert [tuple(y.shape[-2:]) for y in out.values()] == [(12, 20), (6, 10), (3, 5)]
+    with pytest.raises(ValueError, match="scale factor 3"):
+        ViTDetBackbone(tiny_vit(), scale_factors=(3.0,))
+    with pytest.raises(ValueError, match="finest first"):
+        ViTDetBackbone(tiny_vit(), scale_factors=(1.0, 2.0))
+
+
+def test_backbone_drops_head_and_accepts_any_size():
+    vit = tiny_vit()
+    assert not vit.dynamic_img_size
+    bb = ViTDetBackbone(vit)
+    assert vit.dynamic_img_size and vit.config.dynamic_img_size and vit.num_classes == 0
+    assert not any(k.startswith("vit.head") for k in bb.state_dict())
+
+
+# -- windows ----------------------------------------------------------------------------------
+def test_vitdet_window_layout():
+    assert vitdet_window_blocks(12) == (0, 1, 3, 4, 6, 7, 9, 10)  # global in 2, 5, 8, 11
+    vit = set_window_attention(tiny_vit(depth=6), 14)
+    assert [b.attn.window_size for b in vit.blocks] == [(14, 14), (14, 14), None] * 2
+    assert vit.config.window_size == 14 and vit.config.window_block_indexes == (0, 1, 3, 4)
+    set_window_attention(vit, None)
+    assert all(b.attn.window_size is None for b in vit.blocks)
+    with pytest.raises(ValueError, match="out of range"):
+        set_window_attention(vit, 4, [7])
+
+
+@pytest.mark.parametrize("window", [6, 9])  # 6 covers the 6x5 grid exactly, 9 overhangs it (padded)
+def test_window_covering_grid_equals_global(window):
+    x = torch.randn(2, 3, 96, 80)
+    glob = ViTDetBackbone(tiny_vit(), 16).eval()
+    win = ViTDetBackbone(tiny_vit(), 16, window_size=window, window_block_indexes=[0, 1, 2]).eval()
+    win.load_state_dict(glob.state_dict())
+    with torch.no_grad():
+        a, b = glob(x), win(x)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    # and a window smaller than the grid really changes the result
+    set_window_attention(win.vit, 3, [0, 1, 2])
+    with torch.no_grad():
+        assert (win(x)["2"] - a["2"]).abs().max() > 1e-3
+
+
+def test_windows_do_not_see_each_other():
+    """With windows in every block (and no class token to carry information across), the map of
+    the top-left window ignores pixels in the others, also when the grid does not divide."""
+    vit = tiny_vit(class_token=False, global_pool="avg")
+    bb = ViTDetBackbone(vit, 16, window_size=3, window_block_indexes=[0, 1, 2]).eval()
+    x = torch.randn(1, 3, 112, 80)  # grid 7x5: windows of 3 overhang on both sides
+    y = x.clone()
+    y[:, :, 48:, :] += torch.randn_like(y[:, :, 48:, :])  # rows of windows below the first
+    y[:, :, :, 48:] += torch.randn_like(y[:, :, :, 48:])  # columns right of the first
+    with torch.no_grad():
+        a, b = bb.forward_map(x), bb.forward_map(y)
+    torch.testing.assert_close(a[..., :3, :3], b[..., :3, :3])
+    assert (a[..., 3:, :] - b[..., 3:, :]).abs().max() > 1e-3
+
+
+# -- weights ----------------------------------------------------------------------------------
+def test_load_vit_weights_resamples_and_skips_head():
+    src = ViT(img_size=32, patch_size=16, embed_dim=32, depth=3, num_heads=2, num_classes=7)
+    bb = ViTDetBackbone(tiny_vit(img_size=96), 16)  # grid 6x6 against the source's 2x2
+    report = bb.load_vit_weights(src)
+    assert report["skipped"] == ["head.weight", "head.bias"]
+    assert report["missing"] == [] and report["unexpected"] == []
+    torch.testing.assert_close(bb.vit.blocks[1].attn.qkv.weight, src.blocks[1].attn.qkv.weight)
+    torch.testing.assert_close(bb.vit.pos_embed, resample_abs_pos_embed(src.pos_embed, (6, 6), (2, 2)))
+
+
+def test_load_timm_weights():
+    timm = pytest.importorskip("timm")
+    src = timm.models.vision_transformer.VisionTransformer(
+        img_size=48, patch_size=16, embed_dim=32, depth=3, num_heads=2, num_classes=5)
+    bb = ViTDetBackbone(tiny_vit(), 16)
+    report = bb.load_vit_weights(src.state_dict())
+    assert report["skipped"] == ["head.weight", "head.bias"]
+    torch.testing.assert_close(bb.vit.blocks[2].mlp.fc2.weight, src.blocks[2].mlp.fc2.weight)
+    torch.testing.assert_close(bb.vit.pos_embed, resample_abs_pos_embed(src.pos_embed, (4, 4), (3, 3)))
+    with pytest.raises(ValueError, match="width 32 != model width 64"):
+        ViTDetBackbone(tiny_vit(embed_dim=64), 16).load_vit_weights(src.state_dict())
+
+
+# -- the detectors ----------------------------------------------------------------------------
+def batch(masks: bool = False):
+    g = torch.Generator().manual_seed(1)
+    images = [torch.rand(3, 64, 96, generator=g), torch.rand(3, 80, 64, generator=g)]
+    targets = []
+    for img in images:
+        boxes = torch.tensor([[5.0, 6.0, 40.0, 30.0], [20.0, 10.0, 50.0, 60.0]])
+        t = {"boxes": boxes, "labels": torch.tensor([1, 2])}
+        if masks:
+            m = torch.zeros(2, *img.shape[1:], dtype=torch.uint8)
+            for i, (x1, y1, x2, y2) in enumerate(boxes.int().tolist()):
+                m[i, y1:y2, x1:x2] = 1
+            t["masks"] = m
+        targets.append(t)
+    return images, targets
+
+
+SMALL = dict(min_size=64, max_size=128)
+RCNN_SMALL = dict(rpn_pre_nms_top_n_train=200, rpn_post_nms_top_n_train=100, rpn_pre_nms_top_n_test=100,
+                  rpn_post_nms_top_n_test=50, box_batch_size_per_image=32)
+
+
+def small_detector(kind: str, vit: ViT):
+    """Two object classes, labels 1 and 2: ``num_classes=3`` for every detector, as torchvision."""
+    extra = RCNN_SMALL if kind in ("fasterrcnn", "maskrcnn") else {}
+    return build_detector(kind, vit, 3, out_channels=32, **SMALL, **extra)
+
+
+@pytest.mark.parametrize("kind", DETECTORS)
+def test_detector_train_step_and_eval(kind):
+    vit = tiny_vit(depth=2)
+    model = small_detector(kind, vit)
+    images, targets = batch(masks=kind == "maskrcnn")
+    model.train()
+    losses = model(images, targets)
+    expected = {"fasterrcnn": {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"},
+                "retinanet": {"classification", "bbox_regression"},
+                "fcos": {"classification", "bbox_regression", "bbox_ctrness"}}
+    expected["maskrcnn"] = expected["fasterrcnn"] | {"loss_mask"}
+    assert set(losses) == expected[kind]
+    assert all(torch.isfinite(v) for v in losses.values()), losses
+    sum(losses.values()).backward()
+    no_grad = [n for n, p in vit.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert no_grad == [], f"no gradient reached {no_grad}"
+
+    model.eval()
+    with torch.no_grad():
+        out = model(images)
+    assert len(out) == 2
+    for o, img in zip(out, images):
+        assert {"boxes", "labels", "scores"} <= set(o)
+        n = len(o["boxes"])
+        assert o["boxes"].shape == (n, 4) and o["labels"].shape == (n,) and o["scores"].shape == (n,)
+        h, w = img.shape[1:]
+        assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
+
+
+def test_build_detector_checks():
+    with pytest.raises(ValueError, match="unknown detector"):
+        build_detector("yolo", tiny_vit(), 3)
+    with pytest.raises(ValueError, match="anchor size tuples for 5"):
+        build_detector("fcos", tiny_vit(), 3, anchor_sizes=((8,), (16,)))
+    bb = ViTDetBackbone(tiny_vit(), 32)
+    with pytest.raises(ValueError, match="belong to ViTDetBackbone"):
+        build_detector("fcos", bb, 3, window_size=4)
+    model = build_detector("retinanet", bb, 3)
+    assert model.backbone is bb
+    # anchors follow the strides: RetinaNet's 4x stride, three octave scales
+    sizes = model.anchor_generator.sizes
+    assert [round(s[0]) for s in sizes] == [16, 32, 64, 128, 256] and len(sizes[0]) == 3
+
+
+# -- COCO-style AP ----------------------------------------------------------------------------
+def det(boxes, scores, labels):
+    return {"boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+            "scores": torch.tensor(scores, dtype=torch.float32), "labels": torch.tensor(labels)}
+
+
+def gt(boxes, labels):
+    return {"boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4), "labels": torch.tensor(labels)}
+
+
+def test_ap_perfect_and_empty():
+    t = [gt([[0, 0, 10, 10], [20, 20, 30, 40]], [1, 2])]
+    p = [det([[0, 0, 10, 10], [20, 20, 30, 40]], [0.9, 0.8], [1, 2])]
+    r = coco_map(p, t)
+    assert r["map"] == pytest.approx(1.0) and r["map_50"] == pytest.approx(1.0)
+    r = coco_map([det([], [], [])], t)
+    assert r["map"] == 0.0
+
+
+def test_ap_hand_computed_ranking():
+    # two objects; detections TP (0.9), FP (0.8), TP (0.7): recall .5 .5 1, precision 1 .5 .667.
+    # The envelope reads 1 at recall 0..0.50 (51 points) and 2/3 at 0.51..1 (50 points).
+    t = [gt([[0, 0, 10, 10]], [1]), gt([[5, 5, 25, 25]], [1])]
+    p = [det([[0, 0, 10, 10], [50, 50, 60, 60]], [0.9, 0.8], [1, 1]), det([[5, 5, 25, 25]], [0.7], [1])]
+    expect = (51 * 1.0 + 50 * 2 / 3) / 101
+    r = coco_map(p, t)
+    assert r["map"] == pytest.approx(expect) and r["map_50"] == pytest.approx(expect)
+    assert average_precision(torch.tensor([0.9, 0.8, 0.7]), torch.tensor([True, False, True]), 2) == \
+        pytest.approx(expect)
+
+
+def test_ap_iou_thresholds():
+    # IoU 0.62: a hit at thresholds 0.50, 0.55, 0.60 only -> mAP = 3/10.
+    r = coco_map([det([[0, 0, 10, 6.2]], [0.9], [1])], [gt([[0, 0, 10, 10]], [1])])
+    assert r["map_50"] == pytest.approx(1.0) and r["map_75"] == 0.0 and r["map"] == pytest.approx(0.3)
+
+
+def test_ap_duplicates_and_matching_per_threshold():
+    t = [gt([[0, 0, 10, 10]], [1])]
+    # A (0.9) overlaps 0.72, B (0.8) overlaps exactly. Up to IoU 0.70 A matches and B is a
+    # duplicate (AP 1); from 0.75 A misses and B matches second (precision 1/2 -> AP 0.5).
+    p = [det([[0, 0, 10, 7.2], [0, 0, 10, 10]], [0.9, 0.8], [1, 1])]
+    r = coco_map(p, t)
+    assert r["map_50"] == pytest.approx(1.0) and r["map_75"] == pytest.approx(0.5)
+    assert r["map"] == pytest.approx(0.75)
+
+
+def test_ap_classes():
+    t = [gt([[0, 0, 10, 10], [20, 20, 30, 30]], [1, 2])]
+    # right box, wrong label for class 2; a false positive of class 3 (no ground truth) is ignored
+    p = [det([[0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50]], [0.9, 0.9, 0.9], [1, 1, 3])]
+    r = coco_map(p, t)
+    # class 1: TP then FP at equal score (stable order) -> AP 1; class 2: no detection -> 0
+    assert r["per_class"] == {1: pytest.approx(1.0), 2: 0.0}
+    assert r["map"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="predictions for"):
+        coco_map(p, t + t)

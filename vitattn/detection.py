@@ -1,0 +1,372 @@
+"""A plain ViT as the backbone of torchvision's detectors (ViTDet).
+
+ViTDet's point is that a detector does not need a hierarchical backbone: from the *last* map of
+a plain ViT (stride = patch size, 16) a *simple feature pyramid* of parallel branches makes the
+multi-scale maps a detector wants::
+
+    last block tokens -> map (B, D, gh, gw), stride 16
+      x4   ConvT 2x2 -> LN -> GELU -> ConvT 2x2   (B, D/4, 4gh, 4gw)   stride 4    '0'
+      x2   ConvT 2x2                              (B, D/2, 2gh, 2gw)   stride 8    '1'
+      x1   identity                               (B, D,    gh,  gw)   stride 16   '2'
+      x1/2 max-pool 2x2                           (B, D, gh/2, gw/2)   stride 32   '3'
+      each branch -> conv 1x1 -> LN -> conv 3x3 -> LN                 (B, out_channels, ...)
+      max-pool(1, stride 2) of the coarsest level                                stride 64   'pool'
+
+The level names and strides are those of torchvision's ``resnet_fpn_backbone``, so the
+detectors' default RoI poolers and anchor generators fit. Window attention (a block option of
+``vitattn.attention``) keeps the cost linear in the image area; ViTDet uses 14x14 windows with
+global attention in every third block, which propagates information across windows.
+
+The module also holds a small COCO-style evaluation (:func:`coco_map`) so experiments need no
+extra package.
+
+References: Li, Mao, Girshick, He 2022, "Exploring Plain Vision Transformer Backbones for Object
+Detection" (ViTDet), detectron2 ``modeling/backbone/vit.py`` (``SimpleFeaturePyramid``);
+torchvision ``models/detection``; COCO evaluation, pycocotools ``cocoeval.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .patch_embed import to_2tuple
+from .vit import ViT
+
+DETECTORS = ("fasterrcnn", "maskrcnn", "retinanet", "fcos")
+SCALE_FACTORS = (4.0, 2.0, 1.0, 0.5)  # the branches ViTDet defines
+
+
+# -- window attention in an existing ViT ------------------------------------------------------
+def vitdet_window_blocks(depth: int, global_every: int = 3) -> tuple[int, ...]:
+    """ViTDet's layout: windows everywhere except every ``global_every``-th block, which stays
+    global (blocks 2, 5, 8, 11 of 12) so information crosses windows."""
+    return tuple(i for i in range(depth) if (i + 1) % global_every)
+
+
+def set_window_attention(vit: ViT, window_size: int | None, block_indexes: Sequence[int] | None = None) -> ViT:
+    """Switch window attention on in ``block_indexes`` (default: :func:`vitdet_window_blocks`)
+    and off in every other block, in place; ``window_size=None`` makes every block global.
+
+    The weights are unchanged (window attention has no parameters of its own), so a ViT trained
+    with global attention can run windowed. Returns ``vit``.
+    """
+    depth = len(vit.blocks)
+    if window_size is None:
+        block_indexes = ()
+    elif block_indexes is None:
+        block_indexes = vitdet_window_blocks(depth)
+    block_indexes = tuple(sorted(int(i) % depth if -depth <= i < depth else -1 for i in block_indexes))
+    if -1 in block_indexes:
+        raise ValueError(f"window block indexes out of range for depth {depth}")
+    for i, blk in enumerate(vit.blocks):
+        blk.attn.window_size = to_2tuple(window_size) if i in block_indexes else None
+    vit.config = dataclasses.replace(vit.config, window_size=window_size, window_block_indexes=block_indexes)
+    return vit
+
+
+# -- the simple feature pyramid ---------------------------------------------------------------
+class LayerNorm2d(nn.Module):
+    """LayerNorm over the channels of each pixel: ``(B, C, H, W) -> (B, C, H, W)``."""
+
+    def __init__(self, channels: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = rearrange(x, "b c h w -> b h w c")
+        x = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return rearrange(x, "b h w c -> b c h w")
+
+
+def _resample_branch(dim: int, scale: float) -> tuple[nn.Module, int]:
+    """The stride-changing part of one pyramid branch and the width it outputs."""
+    if scale == 4.0:
+        return nn.Sequential(
+            nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), LayerNorm2d(dim // 2), nn.GELU(),
+            nn.ConvTranspose2d(dim // 2, dim // 4, 2, stride=2),
+        ), dim // 4
+    if scale == 2.0:
+        return nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), dim // 2
+    if scale == 1.0:
+        return nn.Identity(), dim
+    if scale == 0.5:
+        # ceil_mode: an odd grid keeps its last row/column, as a stride-2 convolution would.
+        return nn.MaxPool2d(2, stride=2, ceil_mode=True), dim
+    raise ValueError(f"unsupported scale factor {scale}; expected one of {SCALE_FACTORS}")
+
+
+class ViTDetBackbone(nn.Module):
+    """A vitattn ViT as a multi-scale detection backbone:
+    ``(B, C, H, W) -> OrderedDict{name: (B, out_channels, H / stride, W / stride)}``.
+
+    The ViT is taken over and adapted in place: it accepts any image size (learned positions are
+    resampled on the fly), its classifier head is removed, and window attention is set as asked.
+    Images whose sides are not multiples of the patch are padded at the bottom/right.
+
+    Args:
+        vit: any vitattn ``ViT`` (a preset, ``from_timm``, or one trained here); square patches.
+        out_channels: width of every pyramid level (torchvision reads ``backbone.out_channels``).
+        scale_factors: branches relative to the ViT's map, a subset of ``(4, 2, 1, 0.5)``,
+            finest first; with patch 16 they give strides 4, 8, 16, 32.
+        top_block: add a ``'pool'`` level, max-pooled (kernel 1, stride 2) from the coarsest.
+        window_size: window attention in ``window_block_indexes`` (ViTDet: 14); ``None`` keeps
+            the ViT's attention as it is.
+        window_block_indexes: blocks that use windows; default every block but each third.
+        final_norm: apply the ViT's final LayerNorm to the last block's tokens (it was trained
+            with them in classification weights).
+
+    Attributes: ``out_channels``, ``strides`` (``{name: stride}``), ``featmap_names``.
+    """
+
+    def __init__(
+        self,
+        vit: ViT,
+        out_channels: int = 256,
+        *,
+        scale_factors: Sequence[float] = SCALE_FACTORS,
+        top_block: bool = True,
+        window_size: int | None = None,
+        window_block_indexes: Sequence[int] | None = None,
+        final_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        ph, pw = vit.patch_embed.patch_size
+        if ph != pw:
+            raise ValueError(f"ViTDetBackbone needs square patches to give one stride per level, got {ph}x{pw}")
+        scale_factors = tuple(float(s) for s in scale_factors)
+        if list(scale_factors) != sorted(scale_factors, reverse=True) or len(set(scale_factors)) != len(scale_factors):
+            raise ValueError(f"scale_factors must be distinct and finest first, got {scale_factors}")
+        if 4.0 in scale_factors and vit.embed_dim % 4:
+            raise ValueError(f"scale factor 4 needs embed_dim divisible by 4, got {vit.embed_dim}")
+        vit.dynamic_img_size = True
+        vit.config = dataclasses.replace(vit.config, dynamic_img_size=True)
+        vit.reset_classifier(0)  # the head would get no gradient; detectors bring their own
+        if window_size is not None:
+            set_window_attention(vit, window_size, window_block_indexes)
+        self.vit = vit
+        self.final_norm = final_norm
+        self.out_channels = out_channels
+        self.patch_size = ph
+
+        self.branches = nn.ModuleList()
+        self.strides: dict[str, int] = OrderedDict()
+        for i, scale in enumerate(scale_factors):
+            resample, width = _resample_branch(vit.embed_dim, scale)
+            self.branches.append(nn.Sequential(
+                resample,
+                nn.Conv2d(width, out_channels, 1, bias=False), LayerNorm2d(out_channels),
+                nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False), LayerNorm2d(out_channels),
+            ))
+            stride = ph / scale
+            if stride != int(stride):
+                raise ValueError(f"patch {ph} with scale factor {scale} gives a fractional stride {stride}")
+            self.strides[str(i)] = int(stride)
+        self.top_block = top_block
+        if top_block:
+            self.strides["pool"] = 2 * self.strides[str(len(scale_factors) - 1)]
+        self.featmap_names = [k for k in self.strides if k != "pool"]
+        self._init_pyramid()
+
+    def _init_pyramid(self) -> None:
+        # detectron2's c2_msra_fill for the pyramid convolutions, as ViTDet.
+        for m in self.branches.modules():
+            if isinstance(m, nn.Conv2d | nn.ConvTranspose2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, D, gh, gw)``: the ViT's last map, stride = patch size."""
+        p = self.patch_size
+        pad_h, pad_w = (-x.shape[-2]) % p, (-x.shape[-1]) % p
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        (y,) = self.vit.forward_intermediates(x, indices=[-1], norm=self.final_norm, output_fmt="NCHW",
+                                              intermediates_only=True)
+        return y
+
+    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        y = self.forward_map(x)
+        out = OrderedDict((name, branch(y)) for name, branch in zip(self.featmap_names, self.branches))
+        if self.top_block:
+            out["pool"] = F.max_pool2d(out[self.featmap_names[-1]], kernel_size=1, stride=2)
+        return out
+
+    # -- weights ----------------------------------------------------------------------------
+    def load_vit_weights(
+        self, weights: nn.Module | dict[str, torch.Tensor], old_grid: tuple[int, int] | None = None
+    ) -> dict[str, list[str]]:
+        """Load classification weights into the ViT; the pyramid keeps its initialisation.
+
+        ``weights`` is a vitattn ``ViT``, a timm ``VisionTransformer`` or either's state dict
+        (the keys are the same). A position table for another resolution is resampled to this
+        ViT's grid (``old_grid`` defaults to the source model's grid, or a square); the
+        classifier head is dropped. Returns ``{'missing', 'unexpected', 'skipped'}``: the
+        skipped keys are the head's; missing or unexpected keys raise a ``ValueError``.
+        """
+        if isinstance(weights, nn.Module):
+            if old_grid is None and hasattr(weights, "patch_embed"):
+                old_grid = tuple(weights.patch_embed.grid_size)
+            weights = weights.state_dict()
+        return self.vit.load_weights(weights, old_grid=old_grid, strict=True)
+
+
+# -- the detectors ----------------------------------------------------------------------------
+def _anchor_sizes(kind: str, strides: Sequence[int]) -> tuple[tuple[float, ...], ...]:
+    """Anchor sizes per level in torchvision's proportions to the stride."""
+    if kind in ("fasterrcnn", "maskrcnn"):  # 32..512 at strides 4..64
+        return tuple((8 * s,) for s in strides)
+    if kind == "retinanet":  # 32..512 at strides 8..128, three octave scales
+        return tuple(tuple(4 * s * 2 ** (k / 3) for k in range(3)) for s in strides)
+    return tuple((s,) for s in strides)  # fcos: one point per location, size = stride
+
+
+def build_detector(
+    kind: str,
+    vit: ViT | ViTDetBackbone,
+    num_classes: int,
+    *,
+    out_channels: int | None = None,
+    window_size: int | None = None,
+    window_block_indexes: Sequence[int] | None = None,
+    anchor_sizes: Sequence[Sequence[float]] | None = None,
+    **detector_kwargs: Any,
+) -> nn.Module:
+    """A torchvision detector with a ViTDet backbone, ready to train.
+
+    ``kind`` is one of ``DETECTORS``. ``vit`` is a ViT (wrapped in :class:`ViTDetBackbone` with
+    ``out_channels``, default 256, and the window settings) or a backbone already built. ``num_classes``
+    is torchvision's: object classes + 1, with labels ``1..num_classes-1`` (0 is the background
+    for the R-CNNs and never a target for RetinaNet / FCOS). Anchors follow torchvision's size / stride proportions unless
+    ``anchor_sizes`` (one tuple per level) is given; RoI poolers read the pyramid's levels.
+    Other keyword arguments go to the detector (``min_size``, ``max_size``, ``image_mean``, ...).
+    """
+    from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops import MultiScaleRoIAlign
+
+    if kind not in DETECTORS:
+        raise ValueError(f"unknown detector {kind!r}; expected one of {DETECTORS}")
+    if isinstance(vit, ViTDetBackbone):
+        if out_channels is not None or window_size is not None or window_block_indexes is not None:
+            raise ValueError("out_channels and window settings belong to ViTDetBackbone(...); got them with a "
+                             "backbone already built")
+        backbone = vit
+    else:
+        backbone = ViTDetBackbone(vit, out_channels or 256, window_size=window_size,
+                                  window_block_indexes=window_block_indexes)
+    strides = list(backbone.strides.values())
+    sizes = tuple(tuple(s) for s in anchor_sizes) if anchor_sizes is not None else _anchor_sizes(kind, strides)
+    if len(sizes) != len(strides):
+        raise ValueError(f"{len(sizes)} anchor size tuples for {len(strides)} pyramid levels {list(backbone.strides)}")
+    ratios = (1.0,) if kind == "fcos" else (0.5, 1.0, 2.0)
+    anchors = AnchorGenerator(sizes, (ratios,) * len(sizes))
+    if kind == "fcos":
+        return FCOS(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
+    if kind == "retinanet":
+        return RetinaNet(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
+    names = backbone.featmap_names
+    box_pool = MultiScaleRoIAlign(names, output_size=7, sampling_ratio=2)
+    if kind == "fasterrcnn":
+        return FasterRCNN(backbone, num_classes, rpn_anchor_generator=anchors, box_roi_pool=box_pool,
+                          **detector_kwargs)
+    mask_pool = MultiScaleRoIAlign(names, output_size=14, sampling_ratio=2)
+    return MaskRCNN(backbone, num_classes, rpn_anchor_generator=anchors, box_roi_pool=box_pool,
+                    mask_roi_pool=mask_pool, **detector_kwargs)
+
+
+# -- evaluation -------------------------------------------------------------------------------
+def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU of ``(n, 4)`` and ``(m, 4)`` boxes in ``x1 y1 x2 y2`` -> ``(n, m)``."""
+    area_a = (a[:, 2] - a[:, 0]).clamp(min=0) * (a[:, 3] - a[:, 1]).clamp(min=0)
+    area_b = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
+    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
+    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    union = area_a[:, None] + area_b[None, :] - inter
+    return torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(inter))
+
+
+def average_precision(scores: torch.Tensor, matched: torch.Tensor, num_gt: int) -> float:
+    """COCO's 101-point interpolated AP of one class at one IoU threshold.
+
+    ``scores`` and ``matched`` (bool: the detection is a true positive) list every detection
+    of the class over all images; ``num_gt`` counts its ground-truth boxes. Precision is made
+    monotone (the envelope) and read at recall 0, 0.01, ..., 1; a recall never reached reads 0.
+    """
+    if num_gt <= 0:
+        raise ValueError(f"average precision needs at least one ground-truth box, got {num_gt}")
+    order = torch.sort(scores, descending=True, stable=True).indices
+    tp = matched[order].double().cumsum(0)
+    fp = (~matched[order]).double().cumsum(0)
+    recall = tp / num_gt
+    precision = tp / (tp + fp).clamp(min=1)
+    precision = torch.flip(torch.cummax(torch.flip(precision, [0]), 0).values, [0])  # envelope
+    points = torch.linspace(0, 1, 101, dtype=torch.float64)
+    idx = torch.searchsorted(recall, points, side="left")
+    read = torch.cat([precision, precision.new_zeros(1)])  # index len(precision): recall not reached
+    return float(read[idx].mean())
+
+
+def coco_map(
+    predictions: Sequence[dict[str, torch.Tensor]],
+    targets: Sequence[dict[str, torch.Tensor]],
+    iou_thresholds: Sequence[float] | None = None,
+    max_dets: int = 100,
+) -> dict[str, Any]:
+    """COCO-style box mAP over IoU 0.50:0.05:0.95 (``'map'``), and at IoU 0.5 / 0.75.
+
+    ``predictions[i]`` has ``boxes`` ``(n, 4)``, ``scores``, ``labels``; ``targets[i]`` has
+    ``boxes`` and ``labels``. Per image the ``max_dets`` best detections count. Each
+    detection, in order of score, matches the unmatched ground truth of its class it overlaps
+    most if the IoU reaches the threshold (pycocotools' rule, no crowd boxes or area ranges).
+    AP is averaged over the classes that have ground truth (``'per_class'``: over thresholds).
+    """
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
+    ious = tuple(iou_thresholds) if iou_thresholds is not None else tuple(0.5 + 0.05 * i for i in range(10))
+    classes = sorted({int(c) for t in targets for c in t["labels"].tolist()})
+    if not classes:
+        raise ValueError("the targets hold no ground-truth boxes")
+    ap = torch.zeros(len(ious), len(classes), dtype=torch.float64)
+    for ci, c in enumerate(classes):
+        scores_c, matched_c = [], [[] for _ in ious]
+        num_gt = 0
+        for pred, tgt in zip(predictions, targets):
+            gt = tgt["boxes"][tgt["labels"] == c].double().reshape(-1, 4)
+            keep = pred["labels"] == c
+            boxes, scores = pred["boxes"][keep].double().reshape(-1, 4), pred["scores"][keep].double()
+            order = torch.sort(scores, descending=True, stable=True).indices[:max_dets]
+            boxes, scores = boxes[order], scores[order]
+            num_gt += len(gt)
+            scores_c.append(scores)
+            iou = box_iou(boxes, gt)
+            for ti, thr in enumerate(ious):
+                taken = torch.zeros(len(gt), dtype=torch.bool)
+                hit = torch.zeros(len(boxes), dtype=torch.bool)
+                for d in range(len(boxes)):
+                    cand = iou[d].masked_fill(taken, -1.0)
+                    if len(gt) and cand.max() >= thr - 1e-10:
+                        j = int(cand.argmax())
+                        taken[j] = hit[d] = True
+                matched_c[ti].append(hit)
+        scores_all = torch.cat(scores_c)
+        for ti in range(len(ious)):
+            ap[ti, ci] = average_precision(scores_all, torch.cat(matched_c[ti]), num_gt)
+    def at(thr: float) -> float:
+        hits = [i for i, t in enumerate(ious) if math.isclose(t, thr)]
+        return float(ap[hits[0]].mean()) if hits else float("nan")
+
+    return {"map": float(ap.mean()), "map_50": at(0.5), "map_75": at(0.75),
+            "per_class": {c: float(ap[:, ci].mean()) for ci, c in enumerate(classes)}}
