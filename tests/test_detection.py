@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -185,6 +186,32 @@ def test_detector_train_step_and_eval(kind):
         assert o["boxes"].shape == (n, 4) and o["labels"].shape == (n,) and o["scores"].shape == (n,)
         h, w = img.shape[1:]
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
+
+
+class TwoLevels(torch.nn.Module):
+    """A stand-in for any other backbone: what build_detector reads is out_channels and strides."""
+
+    out_channels = 32
+    strides = {"0": 8, "pool": 16}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 32, 8, stride=8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return OrderedDict([("0", y), ("pool", torch.nn.functional.max_pool2d(y, 1, 2))])
+
+
+def test_build_detector_other_backbone():
+    model = build_detector("fasterrcnn", TwoLevels(), 3, **SMALL, **RCNN_SMALL)
+    assert model.roi_heads.box_roi_pool.featmap_names == ["0"]
+    assert model.rpn.anchor_generator.sizes == ((64,), (128,))
+    images, targets = batch()
+    losses = model(images, targets)
+    assert all(torch.isfinite(v) for v in losses.values())
+    with pytest.raises(ValueError, match="out_channels and strides"):
+        build_detector("fcos", torch.nn.Conv2d(3, 8, 1), 3)
 
 
 def test_build_detector_checks():

@@ -234,7 +234,7 @@ def _anchor_sizes(kind: str, strides: Sequence[int]) -> tuple[tuple[float, ...],
 
 def build_detector(
     kind: str,
-    vit: ViT | ViTDetBackbone,
+    vit: ViT | nn.Module,
     num_classes: int,
     *,
     out_channels: int | None = None,
@@ -246,11 +246,15 @@ def build_detector(
     """A torchvision detector with a ViTDet backbone, ready to train.
 
     ``kind`` is one of ``DETECTORS``. ``vit`` is a ViT (wrapped in :class:`ViTDetBackbone` with
-    ``out_channels``, default 256, and the window settings) or a backbone already built. ``num_classes``
-    is torchvision's: object classes + 1, with labels ``1..num_classes-1`` (0 is the background
-    for the R-CNNs and never a target for RetinaNet / FCOS). Anchors follow torchvision's size / stride proportions unless
-    ``anchor_sizes`` (one tuple per level) is given; RoI poolers read the pyramid's levels.
-    Other keyword arguments go to the detector (``min_size``, ``max_size``, ``image_mean``, ...).
+    ``out_channels``, default 256, and the window settings) or a backbone already built: a
+    ``ViTDetBackbone`` or any module returning an ``OrderedDict`` of maps with ``out_channels``
+    and ``strides`` (``{name: stride}``, finest first, ``'pool'`` last as in torchvision's FPN).
+
+    ``num_classes`` is torchvision's: object classes + 1, with labels ``1..num_classes-1`` (0 is
+    the background for the R-CNNs and never a target for RetinaNet / FCOS). Anchors follow
+    torchvision's size / stride proportions unless ``anchor_sizes`` (one tuple per level) is
+    given; RoI poolers read the pyramid's levels. Other keyword arguments go to the detector
+    (``min_size``, ``max_size``, ``image_mean``, ``box_detections_per_img``, ...).
     """
     from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
     from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -258,14 +262,17 @@ def build_detector(
 
     if kind not in DETECTORS:
         raise ValueError(f"unknown detector {kind!r}; expected one of {DETECTORS}")
-    if isinstance(vit, ViTDetBackbone):
+    if isinstance(vit, ViT):
+        backbone = ViTDetBackbone(vit, out_channels or 256, window_size=window_size,
+                                  window_block_indexes=window_block_indexes)
+    else:
         if out_channels is not None or window_size is not None or window_block_indexes is not None:
             raise ValueError("out_channels and window settings belong to ViTDetBackbone(...); got them with a "
                              "backbone already built")
+        if not (hasattr(vit, "out_channels") and hasattr(vit, "strides")):
+            raise ValueError(f"expected a vitattn ViT or a backbone with out_channels and strides, got "
+                             f"{type(vit).__name__}")
         backbone = vit
-    else:
-        backbone = ViTDetBackbone(vit, out_channels or 256, window_size=window_size,
-                                  window_block_indexes=window_block_indexes)
     strides = list(backbone.strides.values())
     sizes = tuple(tuple(s) for s in anchor_sizes) if anchor_sizes is not None else _anchor_sizes(kind, strides)
     if len(sizes) != len(strides):
@@ -276,7 +283,7 @@ def build_detector(
         return FCOS(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
     if kind == "retinanet":
         return RetinaNet(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
-    names = backbone.featmap_names
+    names = [k for k in backbone.strides if k != "pool"]
     box_pool = MultiScaleRoIAlign(names, output_size=7, sampling_ratio=2)
     if kind == "fasterrcnn":
         return FasterRCNN(backbone, num_classes, rpn_anchor_generator=anchors, box_roi_pool=box_pool,

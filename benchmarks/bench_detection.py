@@ -1,0 +1,168 @@
+"""Cost of a ViT detection backbone on CPU: global against windowed attention, and timm's
+``forward_intermediates``, at detection sizes (512x512, 1024x1024).
+
+Every variant is a ViT-S/16 (width 384, depth 12, 6 heads, MLP 1536, class token), random
+weights, inference of one image (``torch.inference_mode``), up to the last block's map
+``(1, 384, H/16, W/16)`` after the final norm:
+
+    vitattn global      ViT.forward_intermediates, global attention in every block
+    vitattn window14    the same weights, 14x14 windows (padded) except blocks 2, 5, 8, 11 (ViTDet)
+    timm global         timm VisionTransformer.forward_intermediates (its fused attention)
+    vitattn window14 +pyramid   the whole ViTDetBackbone: window14 trunk + simple feature pyramid (256 ch)
+
+Time: all variants of a size live in one process and run interleaved (``repeats`` rounds, each
+variant once per round, in rotated order) after one warm-up each; medians. Peak memory: each
+(size, variant) runs in a fresh subprocess that builds the model and input, runs a warm-up
+forward, resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), runs one forward and
+reads ``VmHWM - VmRSS(before)``: every page the forward touched, allocator and all. The
+subprocess fixes glibc's mmap threshold at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that tensors
+freed by the warm-up go back to the kernel instead of staying in the heap and hiding the peak.
+
+    flock /tmp/vitattn-cpu.lock python benchmarks/bench_detection.py              # ~3-4 min
+    python benchmarks/bench_detection.py --sizes 256 --repeats 1                   # quick look
+
+Writes ``benchmarks/results/detection.json`` and ``.md``.
+
+References: ViTDet (Li et al. 2022) for window 14 / global every third block; timm
+``forward_intermediates``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("vitattn global", "vitattn window14", "timm global", "vitattn window14 +pyramid")
+DIMS = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0)
+
+
+def build(variant: str, size: int):
+    """The model of a variant and a function running one forward to the last map."""
+    torch.manual_seed(0)
+    if variant == "timm global":
+        from timm.models.vision_transformer import VisionTransformer
+
+        model = VisionTransformer(img_size=size, num_classes=0, **DIMS).eval()
+        last = DIMS["depth"] - 1
+        return model, lambda x: model.forward_intermediates(x, indices=[last], norm=True, intermediates_only=True)[0]
+    from vitattn import ViT
+    from vitattn.detection import ViTDetBackbone, set_window_attention
+
+    vit = ViT(img_size=size, num_classes=0, **DIMS).eval()
+    if "window14" in variant:
+        set_window_attention(vit, 14)  # global in blocks 2, 5, 8, 11
+    if variant.endswith("+pyramid"):
+        bb = ViTDetBackbone(vit, 256).eval()
+        return bb, bb
+    return vit, lambda x: vit.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)[0]
+
+
+def proc_status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS", "VmHWM")):
+            key, value = line.split(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def measure_memory(variant: str, size: int, threads: int) -> dict:
+    """Run in a fresh process: peak RSS growth of one forward after a warm-up."""
+    torch.set_num_threads(threads)
+    _, fn = build(variant, size)
+    x = torch.randn(1, 3, size, size)
+    with torch.inference_mode():
+        fn(x)  # warm-up: one-time buffers (kernels, caches) are not the forward's cost
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
+        before = proc_status()["VmRSS"]
+        y = fn(x)
+        after = proc_status()
+    shape = tuple(next(iter(y.values())).shape) if isinstance(y, dict) else tuple(y.shape)
+    return {"peak_mb": (after["VmHWM"] - before) / 2**20, "out_shape": shape}
+
+
+def time_size(size: int, repeats: int, threads: int) -> dict[str, dict]:
+    torch.set_num_threads(threads)
+    fns = {v: build(v, size)[1] for v in VARIANTS}
+    x = torch.randn(1, 3, size, size)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with torch.inference_mode():
+        ref = {v: fns[v](x) for v in VARIANTS}  # warm-up
+        # windows covering less than the grid must change the result (they are really on)
+        ref_diff = float((ref["vitattn global"] - ref["vitattn window14"]).abs().max())
+        for r in range(repeats):
+            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            for v in order:
+                t0 = time.perf_counter()
+                fns[v](x)
+                times[v].append(time.perf_counter() - t0)
+    out = {v: {"times_s": t, "median_s": statistics.median(t)} for v, t in times.items()}
+    out["vitattn global"]["max_abs_diff_to_window14"] = ref_diff
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--_memory", nargs=2, metavar=("VARIANT", "SIZE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a._memory:
+        print(json.dumps(measure_memory(a._memory[0], int(a._memory[1]), a.threads)))
+        return
+
+    import timm
+
+    import vitattn
+
+    t_start = time.perf_counter()
+    results = {}
+    for size in a.sizes:
+        print(f"{size}x{size}: timing {len(VARIANTS)} variants x {a.repeats} rounds", file=sys.stderr, flush=True)
+        res = time_size(size, a.repeats, a.threads)
+        for v in VARIANTS:
+            cmd = [sys.executable, __file__, "--_memory", v, str(size), "--threads", str(a.threads)]
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            mem = json.loads(run.stdout.splitlines()[-1])
+            res[v].update(mem)
+        base = res["vitattn global"]
+        for v in VARIANTS:
+            res[v]["time_ratio"] = res[v]["median_s"] / base["median_s"]
+            res[v]["memory_ratio"] = res[v]["peak_mb"] / base["peak_mb"]
+            print(f"  {v:28s} {res[v]['median_s']:7.3f} s  x{res[v]['time_ratio']:.2f}   "
+                  f"{res[v]['peak_mb']:8.1f} MB  x{res[v]['memory_ratio']:.2f}", file=sys.stderr, flush=True)
+        results[str(size)] = res
+    env = {"torch": torch.__version__, "timm": timm.__version__, "vitattn": vitattn.__version__,
+           "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
+           "wall_s": time.perf_counter() - t_start}
+    report = {"dims": DIMS, "repeats": a.repeats, "env": env, "results": results}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "detection.json").write_text(json.dumps(report, indent=1))
+    lines = [f"ViT-S/16 trunk to the last map, batch 1, inference, {a.threads} threads, median of {a.repeats} "
+             f"interleaved runs; torch {torch.__version__}, timm {timm.__version__}; ratios to vitattn global.", "",
+             "| size | variant | time (s) | time ratio | peak memory (MB) | memory ratio |",
+             "|---|---|---:|---:|---:|---:|"]
+    for size, res in results.items():
+        for v in VARIANTS:
+            r = res[v]
+            lines.append(f"| {size}x{size} | {v} | {r['median_s']:.3f} | {r['time_ratio']:.2f} | "
+                         f"{r['peak_mb']:.0f} | {r['memory_ratio']:.2f} |")
+    (a.out / "detection.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
