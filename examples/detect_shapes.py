@@ -11,7 +11,7 @@ and optimiser, and each trains for the same *wall-clock* budget (the learning-ra
 on the fraction of the budget spent, so both end their schedule). Evaluation is outside the
 budget: COCO mAP (IoU 0.50:0.95) and mAP@0.5 with ``vitattn.detection.coco_map``.
 
-    flock /tmp/vitattn-cpu.lock python examples/detect_shapes.py                 # ~15 min on 2 cores
+    flock /tmp/vitattn-cpu.lock python examples/detect_shapes.py                 # ~14 min on 2 cores
     python examples/detect_shapes.py --budget 20 --val-images 16 --no-figure      # smoke run
 
 Writes ``docs/results/detect_shapes.json`` (config, versions, hardware, results) and
@@ -47,7 +47,7 @@ CLASSES = ("circle", "square", "triangle", "cross")  # labels 1..4; 0 is the bac
 class Config:
     detector: str = "fcos"  # 'fcos' or 'fasterrcnn'
     backbones: tuple[str, ...] = ("vit", "resnet18")
-    budget_s: float = 400.0  # training wall-clock seconds per backbone
+    budget_s: float = 380.0  # training wall-clock seconds per backbone
     img_size: int = 128  # square images, pixels
     min_objects: int = 2
     max_objects: int = 5
@@ -205,7 +205,7 @@ def train(model: nn.Module, c: Config, log_every: int = 25) -> dict:
         if steps % log_every == 0:
             recent = sum(history[-log_every:]) / log_every
             print(f"  step {steps:4d}  {spent:6.0f}s  loss {recent:.3f}  "
-                  + "  ".join(f"{k} {float(v):.3f}" for k, v in losses.items()), flush=True)
+                  + "  ".join(f"{k} {float(v.detach()):.3f}" for k, v in losses.items()), flush=True)
     return {"steps": steps, "train_s": spent, "images_seen": steps * c.batch_size,
             "loss_first25": sum(history[:25]) / min(25, len(history)),
             "loss_last25": sum(history[-25:]) / min(25, len(history))}

@@ -118,6 +118,16 @@ def test_load_vit_weights_resamples_and_skips_head():
     torch.testing.assert_close(bb.vit.pos_embed, resample_abs_pos_embed(src.pos_embed, (6, 6), (2, 2)))
 
 
+def test_avg_pool_vit_drops_fc_norm():
+    src = ViT(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=2, class_token=False, global_pool="avg")
+    bb = ViTDetBackbone(tiny_vit(depth=2, class_token=False, global_pool="avg"), 16)
+    assert not any("fc_norm" in k for k in bb.state_dict())
+    report = bb.load_vit_weights(src.state_dict())
+    assert report["skipped"] == ["head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias"]
+    sum(y.sum() for y in bb(torch.randn(1, 3, 64, 48)).values()).backward()
+    assert all(p.grad is not None for p in bb.parameters())
+
+
 def test_load_timm_weights():
     timm = pytest.importorskip("timm")
     src = timm.models.vision_transformer.VisionTransformer(

@@ -111,7 +111,8 @@ class ViTDetBackbone(nn.Module):
     ``(B, C, H, W) -> OrderedDict{name: (B, out_channels, H / stride, W / stride)}``.
 
     The ViT is taken over and adapted in place: it accepts any image size (learned positions are
-    resampled on the fly), its classifier head is removed, and window attention is set as asked.
+    resampled on the fly), its classifier head and ``fc_norm`` are removed, and window attention
+    is set as asked.
     Images whose sides are not multiples of the patch are padded at the bottom/right.
 
     Args:
@@ -151,7 +152,10 @@ class ViTDetBackbone(nn.Module):
             raise ValueError(f"scale factor 4 needs embed_dim divisible by 4, got {vit.embed_dim}")
         vit.dynamic_img_size = True
         vit.config = dataclasses.replace(vit.config, dynamic_img_size=True)
-        vit.reset_classifier(0)  # the head would get no gradient; detectors bring their own
+        # Classification-only parts would get no gradient (and trip DDP): the head, and the
+        # LayerNorm after pooling of avg-pool models. Detectors bring their own heads.
+        vit.reset_classifier(0)
+        vit.fc_norm = nn.Identity()
         if window_size is not None:
             set_window_attention(vit, window_size, window_block_indexes)
         self.vit = vit
@@ -212,14 +216,19 @@ class ViTDetBackbone(nn.Module):
         ``weights`` is a vitattn ``ViT``, a timm ``VisionTransformer`` or either's state dict
         (the keys are the same). A position table for another resolution is resampled to this
         ViT's grid (``old_grid`` defaults to the source model's grid, or a square); the
-        classifier head is dropped. Returns ``{'missing', 'unexpected', 'skipped'}``: the
-        skipped keys are the head's; missing or unexpected keys raise a ``ValueError``.
+        classifier head (and ``fc_norm``, the norm after pooling) is dropped. Returns
+        ``{'missing', 'unexpected', 'skipped'}``: the skipped keys are those of the head and
+        ``fc_norm``; missing or unexpected keys raise a ``ValueError``.
         """
         if isinstance(weights, nn.Module):
             if old_grid is None and hasattr(weights, "patch_embed"):
                 old_grid = tuple(weights.patch_embed.grid_size)
             weights = weights.state_dict()
-        return self.vit.load_weights(weights, old_grid=old_grid, strict=True)
+        dropped = [k for k in weights if k.startswith("fc_norm.")]  # removed in __init__
+        report = self.vit.load_weights({k: v for k, v in weights.items() if k not in dropped},
+                                       old_grid=old_grid, strict=True)
+        report["skipped"] += dropped
+        return report
 
 
 # -- the detectors ----------------------------------------------------------------------------
