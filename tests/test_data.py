@@ -1,0 +1,250 @@
+"""vitattn.data: the three CIFAR layouts, the decode cache, batch augmentation, sharded batches."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from vitattn import data as D
+
+CLASSES = ("cat", "dog", "frog")
+
+
+def make_images(n_per_class: int, seed: int, classes=CLASSES, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Easy, class-coloured uint8 images ``(n, 3, size, size)``: each class has its own tint."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(len(classes)).repeat_interleave(n_per_class)
+    tint = torch.tensor([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40], [40, 200, 200]],
+                        dtype=torch.float32)[: len(classes)]
+    x = tint[y][:, :, None, None] + 40 * torch.randn(len(y), 3, size, size, generator=g)
+    return x.clamp(0, 255).to(torch.uint8), y
+
+
+def _png(img: torch.Tensor) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_folder(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
+    """An ImageFolder tree ``root/{train,test}/<class>/NNNN.png``."""
+    for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
+        x, y = make_images(n, seed, classes)
+        for i, (img, label) in enumerate(zip(x, y)):
+            f = root / split / classes[label] / f"{i:04d}.png"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(_png(img))
+    return root
+
+
+def write_tar(path: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
+    """A ``.tar.gz`` of an ImageFolder tree (with a leading folder, as exports often have)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
+            x, y = make_images(n, seed, classes)
+            for i, (img, label) in enumerate(zip(x, y)):
+                data = _png(img)
+                info = tarfile.TarInfo(f"cifar/{split}/{classes[label]}/{i:04d}.png")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def write_batches(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
+    """torchvision's ``cifar-10-batches-py`` layout: five train batches, a test batch, meta."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    x, y = make_images(n_train, 0, classes)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    for b, j in enumerate(torch.arange(len(y)).chunk(5), start=1):
+        with open(folder / f"data_batch_{b}", "wb") as f:
+            pickle.dump({"data": x[j].reshape(len(j), -1).numpy(), "labels": y[j].tolist()}, f)
+    tx, ty = make_images(n_test, 1, classes)
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump({"data": tx.reshape(len(ty), -1).numpy(), "labels": ty.tolist()}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": list(classes)}, f)
+    return root
+
+
+# -- the three layouts ------------------------------------------------------------------------
+def _sorted(x: torch.Tensor, y: torch.Tensor):
+    key = x.flatten(1).sum(1) * 10 + y  # order-free comparison of two (images, labels) sets
+    i = key.argsort()
+    return x[i], y[i]
+
+
+def test_three_layouts_decode_to_the_same_tensors(tmp_path):
+    folder = D.load_cifar(write_folder(tmp_path / "f"), cache=False)
+    tar = D.load_cifar(write_tar(tmp_path / "c.tar.gz"), cache=False)
+    batches = D.load_cifar(write_batches(tmp_path / "b"), cache=False)
+    x, y = make_images(12, 0)
+    for d in (folder, tar, batches):
+        assert d.classes == CLASSES
+        assert d.train_x.shape == (36, 3, 32, 32) and d.train_x.dtype == torch.uint8
+        assert d.test_x.shape == (12, 3, 32, 32)
+        sx, sy = _sorted(d.train_x, d.train_y)
+        ex, ey = _sorted(x, y)
+        assert torch.equal(sx, ex) and torch.equal(sy, ey)  # PNG and pickles are lossless
+
+
+def test_find_source_accepts_a_folder_holding_the_archive(tmp_path):
+    write_tar(tmp_path / "cifar.tar.gz")
+    assert D.find_source(tmp_path) == ("tar", tmp_path / "cifar.tar.gz")
+    write_batches(tmp_path / "b")
+    assert D.find_source(tmp_path / "b")[0] == "batches"
+
+
+def test_cache_is_written_beside_the_data_and_reused(tmp_path, monkeypatch):
+    src = write_tar(tmp_path / "c.tar.gz")
+    first = D.load_cifar(src)
+    cached = list(tmp_path.glob(".c.tar.gz.vitattn-*.pt"))
+    assert len(cached) == 1
+    monkeypatch.setattr(D, "read_tar", lambda p: pytest.fail("decoded again despite the cache"))
+    again = D.load_cifar(src)
+    assert torch.equal(first.train_x, again.train_x) and again.classes == first.classes
+
+
+def test_cache_goes_to_home_cache_when_the_data_folder_is_read_only(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    src = write_tar(ro / "c.tar.gz")
+    monkeypatch.setenv("VITATTN_CACHE", str(tmp_path / "cache"))
+    ro.chmod(0o555)
+    try:
+        D.load_cifar(src)
+    finally:
+        ro.chmod(0o755)
+    assert not list(ro.glob(".*vitattn*"))
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 1
+
+
+def test_cache_key_changes_with_the_source(tmp_path):
+    src = write_tar(tmp_path / "c.tar.gz")
+    before = D.cache_path(src)
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert D.cache_path(src) != before
+
+
+def test_missing_data_lists_every_way_to_supply_it(tmp_path):
+    with pytest.raises(D.DataError) as e:
+        D.load_cifar(tmp_path / "nothing")
+    msg = str(e.value)
+    for part in ("cifar-10-batches-py", "--download", "ImageFolder", ".tar.gz", "--dataset long-range"):
+        assert part in msg
+
+
+@pytest.mark.parametrize("layout", ["folder", "tar"])
+def test_a_corrupt_image_names_its_file(tmp_path, layout):
+    root = write_folder(tmp_path / "f", n_train=2, n_test=1)
+    bad = root / "train" / "dog" / "0003.png"
+    bad.write_bytes(b"not a png at all")
+    src = root
+    if layout == "tar":
+        src = tmp_path / "c.tar.gz"
+        with tarfile.open(src, "w:gz") as tar:
+            tar.add(root / "train", "train")
+            tar.add(root / "test", "test")
+    with pytest.raises(D.DataError, match="0003.png"):
+        D.load_cifar(src, cache=False)
+
+
+def test_images_of_different_sizes_are_refused(tmp_path):
+    root = write_folder(tmp_path / "f", n_train=2, n_test=1)
+    (root / "train" / "cat" / "0000.png").write_bytes(_png(torch.zeros(3, 30, 32, dtype=torch.uint8)))
+    with pytest.raises(D.DataError, match="one size"):
+        D.load_cifar(root, cache=False)
+
+
+# -- augmentation ----------------------------------------------------------------------------
+def test_translate_moves_a_single_pixel_by_at_most_pad():
+    x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
+    x[:, :, 10, 20] = 255
+    out = D.translate_flip(x, 3, False, torch.Generator().manual_seed(0))
+    shifts = set()
+    for img in out:
+        pos = (img[0] == 255).nonzero()
+        assert len(pos) == 1 and int(img.sum()) == 3 * 255  # nothing duplicated or lost
+        dy, dx = int(pos[0, 0]) - 10, int(pos[0, 1]) - 20
+        assert abs(dy) <= 3 and abs(dx) <= 3
+        shifts.add((dy, dx))
+    assert len(shifts) > 10  # offsets vary per image
+
+
+def test_translate_fills_with_zeros_and_flip_mirrors():
+    x = torch.randint(1, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    out = D.translate_flip(x, 0, True, torch.Generator().manual_seed(1))
+    same = [(o == i).all() for o, i in zip(out, x)]
+    mirrored = [(o == i.flip(2)).all() for o, i in zip(out, x)]
+    assert all(s or m for s, m in zip(same, mirrored)) and any(same) and any(mirrored)
+    shifted = D.translate_flip(x, 2, False, torch.Generator().manual_seed(2))
+    assert (shifted == 0).any()  # the padding shows as zeros somewhere
+
+
+def test_cutout_zeroes_at_most_one_square():
+    x = torch.full((16, 3, 32, 32), 7, dtype=torch.uint8)
+    out = D.cutout(x, 8, torch.Generator().manual_seed(0))
+    zeros = (out == 0).all(1).flatten(1).sum(1)
+    assert (zeros > 0).all() and (zeros <= 81).all()  # side size // 2 * 2 + 1 = 9 at most
+
+
+def test_augment_is_deterministic_per_generator_seed():
+    x = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    aug = D.Augment(translate=4, flip=True, cutout=6)
+    a = aug(x, D.step_generator(0, 1, 2))
+    b = aug(x, D.step_generator(0, 1, 2))
+    c = aug(x, D.step_generator(0, 1, 3))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_normalize_matches_the_formula():
+    x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    mean, std = (0.1, 0.2, 0.3), (0.5, 0.25, 0.2)
+    want = (x.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    torch.testing.assert_close(D.normalize(x, mean, std), want)
+
+
+# -- batches ---------------------------------------------------------------------------------
+def test_rank_shards_are_disjoint_and_cover_the_epoch():
+    x = torch.zeros(103, 3, 4, 4, dtype=torch.uint8)
+    y = torch.arange(103)
+    loaders = [D.BatchLoader(x, y, 10, seed=3, rank=r, world_size=2) for r in range(2)]
+    seen = [torch.cat([yb for _, yb in ld.epoch(5)]) for ld in loaders]
+    assert len(loaders[0]) == len(loaders[1]) == 5  # 51 per rank, full batches only
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+    idx = torch.cat([ld.indices(5) for ld in loaders])
+    assert len(set(idx.tolist())) == 102  # one image dropped so the shards are equal
+    other_epoch = torch.cat([yb for _, yb in loaders[0].epoch(6)])
+    assert not torch.equal(seen[0], other_epoch)
+
+
+def test_an_epoch_resumed_mid_way_gives_the_same_batches():
+    x = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
+    y = torch.arange(64)
+    ld = D.BatchLoader(x, y, 8, augment=D.Augment(2, True, 0), seed=1)
+    full = list(ld.epoch(2))
+    tail = list(ld.epoch(2, start_step=5))
+    assert len(tail) == 3
+    for (xa, ya), (xb, yb) in zip(full[5:], tail):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_evaluation_loader_keeps_every_image():
+    x = torch.zeros(23, 3, 4, 4, dtype=torch.uint8)
+    ld = D.BatchLoader(x, torch.arange(23), 5, shuffle=False, drop_last=False)
+    assert torch.equal(torch.cat([yb for _, yb in ld.epoch(0)]), torch.arange(23))
+
+
+def test_too_small_a_shard_for_one_batch_is_refused():
+    with pytest.raises(ValueError, match="less than one batch"):
+        D.BatchLoader(torch.zeros(10, 3, 4, 4, dtype=torch.uint8), torch.arange(10), 8, world_size=2)

@@ -1,0 +1,351 @@
+"""CIFAR-style image data held as uint8 tensors, augmented a whole batch at a time.
+
+    source (cifar-10-batches-py | ImageFolder tree | .tar.gz of a tree)
+      -> load_cifar         decode once, cache (N, 3, H, W) uint8 + labels        -> ImageData
+      -> BatchLoader        per-epoch permutation, this rank's shard, batches     (B, 3, H, W) uint8
+      -> augment            random translate (zero padding), flip, cutout         (B, 3, H, W) uint8
+      -> normalize          float, per-channel mean / std                          (B, 3, H, W) float
+
+No per-image PIL work after the first decode: every epoch is tensor indexing. Randomness comes
+from a generator seeded by ``(seed, epoch, step, rank)``, so a run resumed at any step draws the
+same batches as one that never stopped.
+
+References: Keller Jordan's airbench (``airbench94.py``: the dataset as tensors, per-batch flip and
+translate); DeVries & Taylor 2017 (cutout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel, of the training images in [0, 1]
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+CACHE_VERSION = 1  # bump when the cache layout changes
+
+
+class DataError(RuntimeError):
+    """Data that is missing or unreadable; the message says how to supply it."""
+
+
+def how_to_supply(path: str | os.PathLike) -> str:
+    return (
+        f"no CIFAR-10 data found at {str(path)!r}. Supply it in one of these ways:\n"
+        "  1. --data-dir DIR holding torchvision's 'cifar-10-batches-py' folder; add --download to fetch it\n"
+        "     through torchvision (needs internet)\n"
+        "  2. --data-dir DIR holding an ImageFolder tree: DIR/train/<class>/*.png|jpg and DIR/test/<class>/...\n"
+        "  3. --data-dir FILE.tar.gz: an archive of such a tree (e.g. ../shared/data/cifar10-jpeg.tar.gz)\n"
+        "  or use --dataset long-range, which is generated on the fly and needs no download."
+    )
+
+
+@dataclass
+class ImageData:
+    """A split-pair of images as tensors: ``train_x`` ``(N, 3, H, W)`` uint8, ``train_y`` ``(N,)`` int64."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    classes: tuple[str, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("train", "test"):
+            x, y = getattr(self, f"{name}_x"), getattr(self, f"{name}_y")
+            if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[1] != 3:
+                raise ValueError(f"{name}_x: expected uint8 (N, 3, H, W), got {x.dtype} {tuple(x.shape)}")
+            if y.shape != (x.shape[0],):
+                raise ValueError(f"{name}_y: expected ({x.shape[0]},) labels, got {tuple(y.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding the three layouts
+# ---------------------------------------------------------------------------------------------
+def _decode_image(data: bytes, name: str) -> torch.Tensor:
+    """Encoded bytes -> ``(3, H, W)`` uint8; a file that will not decode raises naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"corrupt or unreadable image {name}: {e}") from e
+
+
+def _stack(images: list[torch.Tensor], names: list[str], what: str) -> torch.Tensor:
+    if not images:
+        raise DataError(f"{what}: no images found")
+    size = images[0].shape
+    for im, name in zip(images, names):
+        if im.shape != size:
+            raise DataError(f"image {name} is {tuple(im.shape[1:])} but {names[0]} is {tuple(size[1:])}; "
+                            "all images must share one size")
+    return torch.stack(images)
+
+
+def _collect(items: list[tuple[str, str, str, bytes]], source: str) -> ImageData:
+    """``(split, class, bytes)`` items (with their names) -> ImageData with sorted class names."""
+    by_split: dict[str, list[tuple[str, str, bytes]]] = {"train": [], "test": []}
+    for split, cls, name, data in items:
+        by_split[split].append((cls, name, data))
+    classes = tuple(sorted({c for c, _, _ in by_split["train"]}))
+    test_classes = set(c for c, _, _ in by_split["test"])
+    if not classes or not by_split["test"]:
+        raise DataError(f"{source}: expected train/<class>/*.png|jpg and test/<class>/..., "
+                        f"found {len(by_split['train'])} train and {len(by_split['test'])} test images")
+    if not test_classes <= set(classes):
+        raise DataError(f"{source}: test classes {sorted(test_classes - set(classes))} are not in train")
+    index = {c: i for i, c in enumerate(classes)}
+    out = {}
+    for split, rows in by_split.items():
+        rows.sort(key=lambda r: r[1])  # file order independent of the archive / directory order
+        names = [r[1] for r in rows]
+        out[f"{split}_x"] = _stack([_decode_image(d, n) for _, n, d in rows], names, f"{source} {split}")
+        out[f"{split}_y"] = torch.tensor([index[c] for c, _, _ in rows], dtype=torch.int64)
+    return ImageData(classes=classes, source=source, **out)
+
+
+def _split_class(rel: str) -> tuple[str, str] | None:
+    """``'[prefix/]train/cat/1.png' -> ('train', 'cat')``; None for anything else."""
+    parts = Path(rel).parts
+    if len(parts) < 3 or Path(rel).suffix.lower() not in IMAGE_SUFFIXES:
+        return None
+    split, cls = parts[-3], parts[-2]
+    return (split, cls) if split in ("train", "test") else None
+
+
+def read_image_folder(root: Path) -> ImageData:
+    items = []
+    for split in ("train", "test"):
+        for f in sorted((root / split).glob("*/*")):
+            sc = _split_class(str(f.relative_to(root)))
+            if sc is not None:
+                items.append((*sc, str(f), f.read_bytes()))
+    return _collect(items, str(root))
+
+
+def read_tar(path: Path) -> ImageData:
+    items = []
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for m in tar:
+                sc = _split_class(m.name) if m.isfile() else None
+                if sc is not None:
+                    items.append((*sc, f"{path}:{m.name}", tar.extractfile(m).read()))
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise DataError(f"cannot read archive {path}: {e}") from e
+    return _collect(items, str(path))
+
+
+def read_cifar_batches(folder: Path) -> ImageData:
+    """torchvision's ``cifar-10-batches-py``: pickled dicts of ``data`` (N, 3072) and ``labels``."""
+    def load(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        f = folder / name
+        try:
+            with open(f, "rb") as fh:
+                d = pickle.load(fh, encoding="latin1")  # the dataset's own format, as torchvision reads it
+            x = torch.as_tensor(d["data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
+            y = torch.as_tensor(d["labels"], dtype=torch.int64)
+        except (OSError, pickle.UnpicklingError, KeyError, EOFError, RuntimeError, ValueError) as e:
+            raise DataError(f"cannot read CIFAR batch file {f}: {e}") from e
+        return x, y
+
+    train = [load(f"data_batch_{i}") for i in range(1, 6)]
+    test_x, test_y = load("test_batch")
+    classes = CIFAR10_CLASSES
+    meta = folder / "batches.meta"
+    if meta.exists():
+        with open(meta, "rb") as fh:
+            classes = tuple(pickle.load(fh, encoding="latin1")["label_names"])
+    return ImageData(torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), test_x, test_y,
+                     classes, str(folder))
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the source, caching the decode
+# ---------------------------------------------------------------------------------------------
+def find_source(path: str | os.PathLike) -> tuple[str, Path]:
+    """``(layout, path)`` with layout ``'batches' | 'folder' | 'tar'``; raises DataError if none."""
+    p = Path(path)
+    if p.is_file() and (p.name.endswith((".tar.gz", ".tgz", ".tar"))):
+        return "tar", p
+    if p.is_dir():
+        for cand in (p, p / "cifar-10-batches-py"):
+            if (cand / "data_batch_1").is_file():
+                return "batches", cand
+        if (p / "train").is_dir() and (p / "test").is_dir():
+            return "folder", p
+        tars = sorted(q for q in p.iterdir() if q.name.endswith((".tar.gz", ".tgz")))
+        if len(tars) == 1:
+            return "tar", tars[0]
+    raise DataError(how_to_supply(path))
+
+
+def cache_path(source: Path) -> Path:
+    """Where the decoded tensors of ``source`` live: beside it when that folder is writable,
+    else under ``~/.cache/vitattn/``; the name keys on the path, size and mtime."""
+    st = source.stat()
+    if source.is_dir():  # a folder's content changes show in its files, not its own mtime
+        files = [f for f in source.rglob("*") if f.is_file()]
+        st_size = sum(f.stat().st_size for f in files)
+        st_mtime = max((f.stat().st_mtime_ns for f in files), default=st.st_mtime_ns)
+    else:
+        st_size, st_mtime = st.st_size, st.st_mtime_ns
+    key = hashlib.sha1(f"{source.resolve()}|{st_size}|{st_mtime}|{CACHE_VERSION}".encode()).hexdigest()[:12]
+    name = f".{source.name}.vitattn-{key}.pt"
+    beside = source.parent
+    # os.access says yes to root even on a folder marked read-only; honour the marking too
+    if os.access(beside, os.W_OK) and beside.stat().st_mode & 0o200:
+        return beside / name
+    return Path(os.environ.get("VITATTN_CACHE", Path.home() / ".cache" / "vitattn")) / name
+
+
+def load_cifar(path: str | os.PathLike = "./data", *, download: bool = False, cache: bool = True) -> ImageData:
+    """Decode a CIFAR-style source once and cache it; later calls load the cache (< 1 s)."""
+    try:
+        layout, src = find_source(path)
+    except DataError:
+        if not download:
+            raise
+        try:
+            import torchvision
+        except ImportError as e:
+            raise DataError("--download needs torchvision (pip install 'vitattn[train]')\n"
+                            + how_to_supply(path)) from e
+        try:
+            torchvision.datasets.CIFAR10(str(path), train=True, download=True)
+        except Exception as e:  # network errors come in many types; report them as missing data
+            raise DataError(f"download failed ({e}).\n" + how_to_supply(path)) from e
+        layout, src = find_source(path)
+    cp = cache_path(src) if cache else None
+    if cp is not None and cp.exists():
+        d = torch.load(cp, weights_only=True)
+        return ImageData(d["train_x"], d["train_y"], d["test_x"], d["test_y"], tuple(d["classes"]), str(src))
+    data = {"batches": read_cifar_batches, "folder": read_image_folder, "tar": read_tar}[layout](src)
+    if cp is not None:
+        try:
+            cp.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cp.with_name(cp.name + f".tmp{os.getpid()}")
+            torch.save({"train_x": data.train_x, "train_y": data.train_y, "test_x": data.test_x,
+                        "test_y": data.test_y, "classes": list(data.classes)}, tmp)
+            os.replace(tmp, cp)  # atomic: a reader never sees half a cache
+        except OSError:
+            pass  # a cache we cannot write only costs the decode next time
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-batch augmentation and normalisation
+# ---------------------------------------------------------------------------------------------
+def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator) -> torch.Tensor:
+    """``(B, C, H, W) -> (B, C, H, W)``: each image shifted by up to ``pad`` pixels each way
+    (zero-filled, i.e. a random crop of the zero-padded image) and, with ``flip``, a random half
+    mirrored left-right. The mirror is folded into the column index, so the whole thing is two
+    gathers over the batch."""
+    b, c, h, w = x.shape
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
+    mirrored = (torch.rand(b, generator=gen) < 0.5) if flip else torch.zeros(b, dtype=torch.bool)
+    cols = torch.where(mirrored[:, None], torch.arange(w).flip(0), torch.arange(w)) + dx[:, None]  # (B, W)
+    rows = torch.arange(h) + dy[:, None]  # (B, H)
+    xp = torch.nn.functional.pad(x, (pad, pad, pad, pad)) if pad > 0 else x
+    xp = xp.gather(2, rows[:, None, :, None].expand(b, c, h, w + 2 * pad))
+    return xp.gather(3, cols[:, None, None, :].expand(b, c, h, w))
+
+
+def cutout(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
+    """Zero one ``size x size`` square per image, centred anywhere (it may overhang the edge)."""
+    if size <= 0:
+        return x
+    b, _, h, w = x.shape
+    cy = torch.randint(0, h, (b,), generator=gen)[:, None, None]
+    cx = torch.randint(0, w, (b,), generator=gen)[:, None, None]
+    ys, xs = torch.arange(h)[None, :, None], torch.arange(w)[None, None, :]
+    hole = ((ys - cy).abs() <= size // 2) & ((xs - cx).abs() <= size // 2)  # (B, H, W)
+    return x.masked_fill(hole[:, None], 0)
+
+
+@dataclass
+class Augment:
+    translate: int = 2  # max shift in pixels (zero padding)
+    flip: bool = True  # random horizontal mirror
+    cutout: int = 0  # side of a zeroed square in pixels; 0 = off
+
+    def __call__(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if self.translate > 0 or self.flip:
+            x = translate_flip(x, self.translate, self.flip, gen)
+        return cutout(x, self.cutout, gen)
+
+
+def normalize(x: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=torch.float32) -> torch.Tensor:
+    """uint8 ``(B, 3, H, W)`` -> float ``(x / 255 - mean) / std``."""
+    m = torch.tensor(mean, dtype=dtype, device=x.device)[:, None, None] * 255
+    s = torch.tensor(std, dtype=dtype, device=x.device)[:, None, None] * 255
+    return (x.to(dtype) - m) / s
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: a per-epoch permutation, this rank's shard, seeded per step
+# ---------------------------------------------------------------------------------------------
+def step_generator(seed: int, *keys: int) -> torch.Generator:
+    """A generator for one ``(seed, epoch, step, rank, ...)``: resumable at any step, no state."""
+    g = torch.Generator()
+    g.manual_seed(int(hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=7).hexdigest(), 16))
+    return g
+
+
+class BatchLoader:
+    """Batches of ``(images uint8, labels)`` for one epoch of one rank.
+
+    Every rank draws the same permutation for an epoch and takes ``perm[rank::world]``, so
+    ranks see disjoint shards of equal size (the remainder is dropped when training). With
+    ``drop_last`` a short final batch is dropped, as in training.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool = True,
+                 drop_last: bool = True, augment: Augment | None = None, seed: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.shuffle, self.drop_last, self.augment = shuffle, drop_last, augment
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        per_rank = len(x) // world_size if shuffle else -(-(len(x) - rank) // world_size)
+        self.shard_size = per_rank
+        if drop_last and per_rank < batch_size:
+            raise ValueError(f"{per_rank} images per rank is less than one batch of {batch_size}; "
+                             "lower the batch size")
+
+    def __len__(self) -> int:
+        n = self.shard_size
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        n = len(self.x)
+        idx = torch.randperm(n, generator=step_generator(self.seed, epoch)) if self.shuffle else torch.arange(n)
+        if self.shuffle:
+            idx = idx[: n - n % self.world_size]  # equal shards, so ranks step in lockstep
+        return idx[self.rank::self.world_size]
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of one epoch from ``start_step`` on (for resuming mid-epoch)."""
+        idx = self.indices(epoch)
+        for step in range(start_step, len(self)):
+            j = idx[step * self.batch_size:(step + 1) * self.batch_size]
+            x = self.x[j]
+            if self.augment is not None:
+                x = self.augment(x, step_generator(self.seed, epoch, step, self.rank))
+            yield x, self.y[j]
