@@ -112,7 +112,7 @@ class Config:
     compile: bool = False  # torch.compile the model
     device: str = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
     channels_last: bool = True  # NHWC memory layout for the CNN (faster convolutions)
-    tta: bool = False  # also report test accuracy averaged over the image and its mirror
+    tta: bool = True  # also report test accuracy averaged over the image and its mirror
     eval_batch_size: int = 500  # images per evaluation batch
     # -- outputs
     out: str | None = None  # run folder; None = runs/<timestamp>
@@ -194,6 +194,22 @@ def load_dataset(cfg: Config) -> Dataset:
         distance = None if distance is None else distance[: cfg.limit_test]
     mean, std = channel_stats(data.train_x)
     return Dataset(data, mean, std, distance)
+
+
+def measure_pipeline(loader: BatchLoader, norm: nn.Module, batches: int = 20) -> dict:
+    """Images/s of the batch pipeline alone (index, augment, normalise), with and without the
+    augmentation: what it costs next to a training step. Stateless RNG, so training is unaffected."""
+    out = {}
+    for name, aug in (("augmented", loader.augment), ("plain", None)):
+        probe = BatchLoader(loader.x, loader.y, loader.batch_size, augment=aug, seed=loader.seed + 1)
+        n, t = 0, time.perf_counter()
+        for i, (xb, _) in enumerate(probe.epoch(0)):
+            norm(xb)
+            n += len(xb)
+            if i + 1 >= batches:
+                break
+        out[f"{name}_images_per_s"] = n / (time.perf_counter() - t)
+    return out
 
 
 class Normalize(nn.Module):
@@ -401,6 +417,7 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
     result dict. Raises Interrupted / NonFiniteLoss after saving / keeping the checkpoint."""
     r = cfg.recipe(family)
     data = ds.data
+    wall0 = time.perf_counter()
     model = build_model(family, cfg, len(data.classes)).to(dev)
     cl = family == "cnn" and cfg.channels_last
     if cl:
@@ -434,6 +451,10 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
                          augment=Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout),
                          seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     steps_per_epoch = len(loader)
+    pipeline = measure_pipeline(loader, Normalize(ds.mean, ds.std)) if dd.main else {}
+    if pipeline:
+        log(f"[{family}] data pipeline alone: {pipeline['augmented_images_per_s']:.0f} img/s with augmentation, "
+            f"{pipeline['plain_images_per_s']:.0f} img/s without")
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
     total_steps = math.ceil(epochs * steps_per_epoch) if epochs is not None else None
     budget_s = cfg.time_budget * 60 if cfg.time_budget else None
@@ -561,7 +582,8 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
                   best_acc=max(st.best_acc, final["acc"]), final_loss=final["loss"],
                   train_seconds=st.train_seconds, images_per_s=st.images_seen * dd.world / max(st.train_seconds, 1e-9),
                   data_share=st.data_seconds / max(st.train_seconds, 1e-9), recipe=asdict(r),
-                  batch_per_rank=per_rank_batch, world_size=dd.world)
+                  batch_per_rank=per_rank_batch, world_size=dd.world, pipeline=pipeline,
+                  wall_seconds=time.perf_counter() - wall0)
     if "acc_tta" in final:
         result["final_acc_tta"] = final["acc_tta"]
     if "by_distance" in final:
@@ -743,8 +765,8 @@ def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, im
     # -- how far each layer looks: ViT attention distance beside both models' ERF radius
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     if "vit" in context and "attention_distance" in context["vit"]:
-        mad = context["vit"]["attention_distance"]
-        depth = torch.arange(1, mad.shape[0] + 1)
+        mad = context["vit"]["attention_distance"].numpy()
+        depth = list(range(1, mad.shape[0] + 1))
         for h in range(mad.shape[1]):
             ax[0].scatter(depth, mad[:, h], s=14, color="C0", alpha=0.6, label="ViT heads" if h == 0 else None)
         ax[0].plot(depth, mad.mean(1), "C0-", label="ViT mean over heads")
@@ -757,7 +779,7 @@ def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, im
         rel = [(i + 1) / len(radii) for i in range(len(radii))]
         ax[1].plot(rel, radii, "o-", label=f"{NAMES[fam]} ERF radius")
         if fam == "vit" and "attention_distance" in c:
-            ax[1].plot(rel, c["attention_distance"].mean(1), "x:", color="C0", label="ViT attention distance")
+            ax[1].plot(rel, c["attention_distance"].mean(1).numpy(), "x:", color="C0", label="ViT attention distance")
     ax[1].set(xlabel="relative depth (layer / number of layers)", ylabel="pixels",
               title="Effective receptive field radius (Luo et al. 2016)")
     ax[1].legend()
@@ -775,7 +797,7 @@ def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, im
             a.axis("off")
             if i < len(c["erf"]):
                 e = c["erf"][i]
-                a.imshow(e["grad"] / e["grad"].max(), cmap="magma")
+                a.imshow((e["grad"] / e["grad"].max()).numpy(), cmap="magma")
                 a.set_title(f"{NAMES[fam]} {e['name']}\nr={e['radius_px']:.1f}px", fontsize=8)
     figs.append(_save(fig, out / "erf.png", "Effective receptive fields: |d centre unit / d input| per layer"))
 
@@ -805,10 +827,10 @@ def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, im
             img = shown[i].permute(1, 2, 0).clamp(0, 1).numpy()
             ax[i, 0].imshow(img)
             ax[i, 1].imshow(img)
-            ax[i, 1].imshow(_upsample(c["rollout"][i], img.shape[:2]), cmap="jet", alpha=0.5)
+            ax[i, 1].imshow(_upsample(c["rollout"][i], img.shape[:2]).numpy(), cmap="jet", alpha=0.5)
             for h in range(heads):
-                ax[i, 2 + h].imshow(c["heads_first"][i, h], cmap="viridis")
-                ax[i, 2 + heads + h].imshow(c["heads_last"][i, h], cmap="viridis")
+                ax[i, 2 + h].imshow(c["heads_first"][i, h].numpy(), cmap="viridis")
+                ax[i, 2 + heads + h].imshow(c["heads_last"][i, h].numpy(), cmap="viridis")
                 if i == 0:
                     ax[i, 2 + h].set_title(f"block 1 h{h}", fontsize=8)
                     ax[i, 2 + heads + h].set_title(f"last h{h}", fontsize=8)
@@ -870,7 +892,8 @@ def write_report(out: Path, cfg: Config, summary: dict, context: dict, figs: lis
     lines = [f"# ViT against CNN on {summary['dataset']}", "",
              f"Run folder `{out}`; {summary['environment']['device']}"
              f" ({summary['environment'].get('cpu', '')}, {summary['environment']['threads']} threads), "
-             f"torch {summary['environment']['torch']}, commit {summary['environment'].get('git_commit')}, "
+             f"torch {summary['environment']['torch']}, commit {summary['environment'].get('git_commit')}"
+             f"{' (with uncommitted changes)' if summary['environment'].get('git_dirty') else ''}, "
              f"seed {cfg.seed}, world size {summary['world_size']}.", "",
              "| model | preset | params | MFLOP/img (fwd) | epochs | steps | train min | img/s | data share "
              "| final test acc | best test acc |",
@@ -1018,27 +1041,37 @@ def _cpu(c: dict) -> dict:
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """The ``# comment`` after each dataclass field: the --help text, written once."""
+    import inspect
+    import re
+
+    return {m[1]: m[2].strip() for m in re.finditer(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M)}
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Defaults of None take the model family's recipe (RECIPES in this file).")
     defaults = Config()
+    helps = _field_comments(Config)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if f.name == "model":
-            p.add_argument(flag, choices=["vit", "cnn", "both"], default=default)
+            p.add_argument(flag, choices=["vit", "cnn", "both"], default=default, help=helps.get(f.name))
         elif f.name == "dataset":
-            p.add_argument(flag, choices=["cifar10", "long-range"], default=default)
+            p.add_argument(flag, choices=["cifar10", "long-range"], default=default, help=helps.get(f.name))
         elif isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
         else:
             typ = {"epochs": float, "time_budget": float, "lr": float, "weight_decay": float, "warmup": float,
                    "label_smoothing": float, "grad_clip": float}.get(f.name)
             if typ is None:
                 typ = type(default) if default is not None else (int if f.name in (
                     "batch_size", "translate", "cutout", "limit_train", "limit_test") else str)
-            p.add_argument(flag, type=typ, default=default, metavar=f.name.upper())
+            p.add_argument(flag, type=typ, default=default, metavar=f.name.upper(),
+                           help=f"{helps.get(f.name, '')} (default: {default})")
     p.add_argument("--preset", action="append", default=[], metavar="NAME",
                    help="a preset for its family (ViT or CNN); may be given twice. "
                         f"Available: {', '.join(vitattn.list_models())}")
