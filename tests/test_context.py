@@ -199,21 +199,29 @@ def test_long_range_distances_cover_near_to_far_and_can_be_set():
         make_long_range_specs(10, seed=0, distances=60)
 
 
-def test_long_range_one_mark_says_nothing_about_the_label():
-    s = make_long_range_specs(8000, seed=1)
+@pytest.mark.parametrize("attribute", ["colour", "shape"])
+def test_long_range_one_mark_says_nothing_about_the_label(attribute):
+    s = make_long_range_specs(8000, seed=1, attribute=attribute)
     y = s["labels"].float()
-    # Same-shape label really is what it says, and glyphs share one area.
-    assert torch.equal(s["labels"], (s["shapes"][:, 0] == s["shapes"][:, 1]).long())
+    key = "colours" if attribute == "colour" else "shapes"
+    # The label is what it says, and glyphs share one area.
+    assert torch.equal(s["labels"], (s[key][:, 0] == s[key][:, 1]).long())
     assert len({int(g.sum()) for g in GLYPHS}) == 1
     # For either mark alone, every shape, colour and position band holds both labels equally.
     for m in (0, 1):
-        for key, values in (("shapes", s["shapes"][:, m]), ("colours", s["colours"][:, m]),
-                            ("row band", s["centres"][:, m, 0] // 8), ("col band", s["centres"][:, m, 1] // 8)):
+        for what, values in (("shape", s["shapes"][:, m]), ("colour", s["colours"][:, m]),
+                             ("row band", s["centres"][:, m, 0] // 8), ("col band", s["centres"][:, m, 1] // 8)):
             for v in values.unique():
                 sel = values == v
-                assert abs(y[sel].mean() - 0.5) < 0.06, (m, key, int(v), float(y[sel].mean()), int(sel.sum()))
+                assert abs(y[sel].mean() - 0.5) < 0.06, (m, what, int(v), float(y[sel].mean()), int(sel.sum()))
+    # The nuisance attribute matches by chance only (1 in 4 glyphs, 1 in 6 colours) in both classes.
+    other = "shapes" if attribute == "colour" else "colours"
+    same_other = (s[other][:, 0] == s[other][:, 1]).float()
+    assert abs(same_other[y == 1].mean() - same_other[y == 0].mean()) < 0.04
     # Distance is independent of the label.
     assert abs(s["distance"][y == 1].mean() - s["distance"][y == 0].mean()) < 0.5
+    with pytest.raises(ValueError, match="attribute"):
+        make_long_range_specs(4, seed=0, attribute="size")
 
 
 def test_long_range_marks_are_drawn_where_the_specs_say():

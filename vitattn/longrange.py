@@ -1,22 +1,23 @@
-"""A long-range task made on the fly: do two distant marks have the same shape?
+"""A long-range task made on the fly: are two distant marks the same?
 
 Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a textured, noisy
-background; the label is ``same`` when both glyphs have the same shape, ``different`` otherwise.
-The marks sit a controlled distance apart (pixels between their centres), so accuracy against
-distance shows how well a model relates two regions as they move apart.
+background. The label is ``same`` when the two marks match in one attribute (``'colour'`` by
+default, or ``'shape'``), ``different`` otherwise; the other attribute is drawn per mark as a
+nuisance. The marks sit a controlled distance apart (pixels between their centres), so accuracy
+against distance shows how well a model relates two regions as they move apart.
 
 Why the label cannot be read off one place:
 - each mark's shape and colour have the same distribution in both classes (the first is uniform;
   the second copies it for ``same`` and is uniform over the others for ``different``), so one
   mark alone says nothing about the label;
-- colours are drawn per mark, independently of the shapes and of the label, so colour is no cue;
-- every glyph has the same number of pixels, so mark area and brightness totals carry no cue;
+- every glyph has the same number of pixels in one saturated colour, so mark area and brightness
+  totals carry no cue;
 - the distance and the positions are drawn independently of the label, and classes are balanced.
 
-What a model must do is compare the two marks, wherever they are. A model with global pooling can
-do that by pooling per-shape detectors (``same`` = one shape type present), which still needs
-information from both regions to meet; how far apart they may be before that fails is what the
-accuracy-against-distance curve measures.
+A model must bring the two marks together, wherever they are. A model with global pooling can do
+that late, by pooling per-colour detectors (``same`` = one mark colour present), which still needs
+information from both regions to meet; accuracy against distance says how well each model does it
+as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'`` needs longer.
 
     data = make_long_range(10_000, seed=0)
     data["images"]    # (n, 3, 32, 32) uint8
@@ -52,6 +53,7 @@ MARK_COLOURS = torch.tensor([
     [240, 40, 40], [40, 220, 60], [50, 90, 250], [250, 220, 30], [230, 50, 230], [30, 230, 230],
 ], dtype=torch.float32)
 
+ATTRIBUTES = ("colour", "shape")
 DEFAULT_DISTANCE_RANGE = (4.0, 28.0)
 MIN_DISTANCE = 3.5  # closer centres would make the 3x3 glyphs overlap
 
@@ -99,23 +101,38 @@ def _target_distances(num: int, distances, gen: torch.Generator) -> torch.Tensor
     return values[torch.randperm(num, generator=gen) % len(values)]
 
 
+def _pair_up(first: torch.Tensor, labels: torch.Tensor, k: int, gen: torch.Generator,
+             matched: bool) -> torch.Tensor:
+    """``(n, 2)`` attribute values of the two marks. ``matched``: the second copies the first
+    where the label is ``same`` and is uniform over the other ``k - 1`` values where it is
+    ``different``, so its marginal stays uniform; otherwise the second is independent of all."""
+    if matched:
+        other = (first + 1 + torch.randint(k - 1, first.shape, generator=gen)) % k
+        second = torch.where(labels == 1, first, other)
+    else:
+        second = torch.randint(k, first.shape, generator=gen)
+    return torch.stack([first, second], 1)
+
+
 def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
-                          distances: float | Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+                          distances: float | Sequence[float] | None = None,
+                          attribute: str = "colour") -> dict[str, torch.Tensor]:
     """Everything about each image except its pixels: ``labels``, ``shapes`` ``(n, 2)``, ``colours``
     ``(n, 2)`` (indices into ``GLYPHS`` / ``MARK_COLOURS``), ``centres`` ``(n, 2, 2)`` (row, col of
-    each mark centre), ``distance``. Deterministic for a seed."""
+    each mark centre), ``distance``. ``attribute``: what must match for ``same``, ``'colour'`` or
+    ``'shape'`` (the other one is drawn independently per mark). Deterministic for a seed."""
     if num < 1:
         raise ValueError(f"num must be >= 1, got {num}")
     if img_size < 8:
         raise ValueError(f"img_size must be >= 8 to hold two marks apart, got {img_size}")
     gen = torch.Generator().manual_seed(seed)
     labels = (torch.arange(num) % 2)[torch.randperm(num, generator=gen)]  # balanced to within one
-    k = len(GLYPHS)
-    first = torch.randint(k, (num,), generator=gen)
-    # "different": the second shape is uniform over the other k - 1, so its marginal stays uniform.
-    other = (first + 1 + torch.randint(k - 1, (num,), generator=gen)) % k
-    shapes = torch.stack([first, torch.where(labels == 1, first, other)], 1)
-    colours = torch.randint(len(MARK_COLOURS), (num, 2), generator=gen)
+    if attribute not in ATTRIBUTES:
+        raise ValueError(f"attribute must be one of {ATTRIBUTES}, got {attribute!r}")
+    shapes = _pair_up(torch.randint(len(GLYPHS), (num,), generator=gen), labels, len(GLYPHS), gen,
+                      matched=attribute == "shape")
+    colours = _pair_up(torch.randint(len(MARK_COLOURS), (num,), generator=gen), labels, len(MARK_COLOURS), gen,
+                       matched=attribute == "colour")
 
     target = _target_distances(num, distances, gen)
     if (target < MIN_DISTANCE).any():
@@ -160,12 +177,14 @@ def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
 
 
 def make_long_range(num: int, *, seed: int, img_size: int = 32,
-                    distances: float | Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+                    distances: float | Sequence[float] | None = None,
+                    attribute: str = "colour") -> dict[str, torch.Tensor]:
     """``num`` images of the long-range task: ``images`` (n, 3, H, W) uint8, ``labels`` (n,) int64
     (index into ``LONG_RANGE_CLASSES``), ``distance`` (n,) float32 in pixels between the mark
     centres. ``distances``: ``None`` for uniform in 4-28 px, a number, or a list of numbers that
-    share the images equally. The same seed gives the same data."""
-    specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances)
+    share the images equally. ``attribute``: ``'colour'`` (the default: same colour or not) or
+    ``'shape'`` (same glyph or not, slower to learn). The same seed gives the same data."""
+    specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances, attribute=attribute)
     return dict(images=render_long_range(specs, img_size=img_size), labels=specs["labels"].long(),
                 distance=specs["distance"].float())
 
