@@ -23,7 +23,9 @@ additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attent
 
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
-asked for) and the explicit ``softmax(score) @ v``, which also returns the weights.
+asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. By default
+(``fused='auto'``) :func:`fused_is_faster` picks between them from measurements: on CPU the explicit
+path trains faster at short sequences, the fused kernel wins everywhere else.
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
@@ -40,6 +42,26 @@ from torch import nn
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 Size2 = tuple[int, int]
+
+# Up to this many keys, CPU training uses the explicit path under ``fused="auto"``. Measured with
+# microbenchmarks recorded in docs/performance.md (2-core AMD EPYC, AVX2, fp32, torch 2.14,
+# qkv -> attention -> (B, N, D) forward + backward, interleaved, best of 5), ms per block:
+#   B 128, N 65, 3 heads d 64:   explicit 21.1   SDPA 23.3   (SDPA math backend 25.4)
+#   B 128, N 65, 12 heads d 16:  explicit 33.9   SDPA 38.3   (math 47.0)
+#   B 32, N 197, 3 heads d 64:   explicit 33.5   SDPA 32.2   -> a tie; the fused kernel keeps memory linear
+# Inference (no grad) the fused kernel wins at every length: N 65: 6.0 vs 6.7 ms (d 64), 11.4 vs
+# 13.2 (d 16); N 197: 10.5 vs 11.8; N 1025: 23.7 vs 34.0; N 4097: 183 vs 567 (and no N x N matrix).
+EXPLICIT_MAX_KEYS_CPU_TRAIN = 128
+
+
+def fused_is_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The kernel choice of ``fused='auto'`` for per-head ``q, k`` of shape ``(B, heads, N, d)``:
+    False only for CPU training (gradients needed) over at most ``EXPLICIT_MAX_KEYS_CPU_TRAIN`` keys,
+    where the CPU flash kernel's backward loses to two matrix products and a softmax."""
+    if q.device.type != "cpu":
+        return True
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return not (needs_grad and k.shape[-2] <= EXPLICIT_MAX_KEYS_CPU_TRAIN)
 
 
 def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
@@ -74,7 +96,8 @@ class MultiHeadAttention(nn.Module):
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
             ``grid`` in ``forward``. ``None`` is global attention.
         additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
-        fused: use the fused kernel where it computes the same thing.
+        fused: ``True`` uses the fused kernel wherever it computes the same thing, ``False`` always
+            the explicit path, ``'auto'`` (default) whichever :func:`fused_is_faster` says.
     """
 
     def __init__(
@@ -92,7 +115,7 @@ class MultiHeadAttention(nn.Module):
         proj_drop: float = 0.0,
         window_size: int | Size2 | None = None,
         additive_dim: int | None = None,
-        fused: bool = True,
+        fused: bool | str = "auto",
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -106,6 +129,8 @@ class MultiHeadAttention(nn.Module):
         self.hidden_dim = hidden_dim
         self.scale = d**-0.5
         self.score = score
+        if fused not in (True, False, "auto"):
+            raise ValueError(f"fused must be True, False or 'auto', got {fused!r}")
         self.fused = fused
         if window_size is not None and isinstance(window_size, int):
             window_size = (window_size, window_size)
@@ -158,7 +183,8 @@ class MultiHeadAttention(nn.Module):
         ``(B, heads, Nq, Nk)``.
         """
         drop = self.attn_drop.p if self.training else 0.0
-        if self.fused and not need_weights and self.score != "additive":
+        fused = self.fused if self.fused != "auto" else fused_is_faster(q, k)
+        if fused and not need_weights and self.score != "additive":
             scale = {"scaled_dot": self.scale, "dot": 1.0, "general": 1.0}[self.score]
             if self.score == "general":
                 q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)
