@@ -206,8 +206,11 @@ class MultiHeadAttention(nn.Module):
         h = self.num_heads
         if hasattr(self, "qkv"):
             if context is None:
-                qkv = self.qkv(x)
-                q, k, v = rearrange(qkv, "b n (three h d) -> three b h n d", three=3, h=h).unbind(0)
+                # Split q, k, v where they lie (axis 2) and only then move heads forward: the
+                # backward stacks the three gradients straight into qkv's layout, one copy where
+                # unbinding a 'three b h n d' view takes two (a stack, then a permuted clone).
+                qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=h)
+                q, k, v = (rearrange(t, "b n h d -> b h n d") for t in qkv.unbind(2))
             else:
                 w, b = self.qkv.weight, self.qkv.bias
                 hd = self.hidden_dim
