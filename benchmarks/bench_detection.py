@@ -9,16 +9,20 @@ weights, inference of one image (``torch.inference_mode``), up to the last block
     vitattn window14    the same weights, 14x14 windows (padded) except blocks 2, 5, 8, 11 (ViTDet)
     timm global         timm VisionTransformer.forward_intermediates (its fused attention)
     vitattn window14 +pyramid   the whole ViTDetBackbone: window14 trunk + simple feature pyramid (256 ch)
+    vitattn global explicit     global, on the readable path: softmax(QK^T)V with the (heads, N, N)
+                                weights in memory, as any attention that exposes its weights
 
 Time: all variants of a size live in one process and run interleaved (``repeats`` rounds, each
 variant once per round, in rotated order) after one warm-up each; medians. Peak memory: each
 (size, variant) runs in a fresh subprocess that builds the model and input, runs a warm-up
 forward, resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), runs one forward and
-reads ``VmHWM - VmRSS(before)``: every page the forward touched, allocator and all. The
+reads ``VmHWM - VmRSS(before)``: every page the forward touched, allocator and all. Memory is
+also measured for a training step (forward, backward of the summed outputs; gradient buffers
+exist before the mark, so the figure is activations and temporaries). The
 subprocess fixes glibc's mmap threshold at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that tensors
 freed by the warm-up go back to the kernel instead of staying in the heap and hiding the peak.
 
-    flock /tmp/vitattn-cpu.lock python benchmarks/bench_detection.py              # ~3-4 min
+    flock /tmp/vitattn-cpu.lock python benchmarks/bench_detection.py              # ~5 min
     python benchmarks/bench_detection.py --sizes 256 --repeats 1                   # quick look
 
 Writes ``benchmarks/results/detection.json`` and ``.md``.
@@ -41,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("vitattn global", "vitattn window14", "timm global", "vitattn window14 +pyramid")
+VARIANTS = ("vitattn global", "vitattn window14", "timm global", "vitattn window14 +pyramid",
+            "vitattn global explicit")
+MODES = ("infer", "train")
 DIMS = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0)
 
 
@@ -60,6 +66,9 @@ def build(variant: str, size: int):
     vit = ViT(img_size=size, num_classes=0, **DIMS).eval()
     if "window14" in variant:
         set_window_attention(vit, 14)  # global in blocks 2, 5, 8, 11
+    if variant.endswith("explicit"):
+        for blk in vit.blocks:
+            blk.attn.fused = False
     if variant.endswith("+pyramid"):
         bb = ViTDetBackbone(vit, 256).eval()
         return bb, bb
@@ -76,17 +85,27 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def measure_memory(variant: str, size: int, threads: int) -> dict:
-    """Run in a fresh process: peak RSS growth of one forward after a warm-up."""
+def measure_memory(variant: str, size: int, threads: int, mode: str) -> dict:
+    """Run in a fresh process: peak RSS growth of one forward (``infer``) or one forward and
+    backward (``train``), after a warm-up of the same."""
     torch.set_num_threads(threads)
-    _, fn = build(variant, size)
+    model, fn = build(variant, size)
     x = torch.randn(1, 3, size, size)
-    with torch.inference_mode():
-        fn(x)  # warm-up: one-time buffers (kernels, caches) are not the forward's cost
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
-        before = proc_status()["VmRSS"]
+
+    def step():
+        if mode == "infer":
+            with torch.inference_mode():
+                return fn(x)
         y = fn(x)
-        after = proc_status()
+        sum(v.sum() for v in y.values()).backward() if isinstance(y, dict) else y.sum().backward()
+        return y
+
+    model.train(mode == "train")
+    step()  # warm-up: one-time buffers (kernels, caches, gradient tensors) are not the step's cost
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
+    before = proc_status()["VmRSS"]
+    y = step()
+    after = proc_status()
     shape = tuple(next(iter(y.values())).shape) if isinstance(y, dict) else tuple(y.shape)
     return {"peak_mb": (after["VmHWM"] - before) / 2**20, "out_shape": shape}
 
@@ -117,10 +136,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--_memory", nargs=2, metavar=("VARIANT", "SIZE"), help=argparse.SUPPRESS)
+    p.add_argument("--_memory", nargs=3, metavar=("VARIANT", "SIZE", "MODE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a._memory:
-        print(json.dumps(measure_memory(a._memory[0], int(a._memory[1]), a.threads)))
+        print(json.dumps(measure_memory(a._memory[0], int(a._memory[1]), a.threads, a._memory[2])))
         return
 
     import timm
@@ -133,17 +152,25 @@ def main() -> None:
         print(f"{size}x{size}: timing {len(VARIANTS)} variants x {a.repeats} rounds", file=sys.stderr, flush=True)
         res = time_size(size, a.repeats, a.threads)
         for v in VARIANTS:
-            cmd = [sys.executable, __file__, "--_memory", v, str(size), "--threads", str(a.threads)]
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-            run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-            mem = json.loads(run.stdout.splitlines()[-1])
-            res[v].update(mem)
+            for mode in MODES:
+                if v.endswith("explicit") and mode == "train" and size > 512:
+                    # 12 blocks keep (6, 4096, 4096) fp32 scores and weights for backward, > 10 GB:
+                    # more than this shared machine should be asked for.
+                    res[v]["peak_mb_train"] = None
+                    continue
+                cmd = [sys.executable, __file__, "--_memory", v, str(size), mode, "--threads", str(a.threads)]
+                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+                run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+                res[v][f"peak_mb_{mode}"] = json.loads(run.stdout.splitlines()[-1])["peak_mb"]
         base = res["vitattn global"]
         for v in VARIANTS:
-            res[v]["time_ratio"] = res[v]["median_s"] / base["median_s"]
-            res[v]["memory_ratio"] = res[v]["peak_mb"] / base["peak_mb"]
-            print(f"  {v:28s} {res[v]['median_s']:7.3f} s  x{res[v]['time_ratio']:.2f}   "
-                  f"{res[v]['peak_mb']:8.1f} MB  x{res[v]['memory_ratio']:.2f}", file=sys.stderr, flush=True)
+            r = res[v]
+            r["time_ratio"] = r["median_s"] / base["median_s"]
+            for mode in MODES:
+                peak = r[f"peak_mb_{mode}"]
+                r[f"memory_ratio_{mode}"] = None if peak is None else peak / base[f"peak_mb_{mode}"]
+            print(f"  {v:28s} {r['median_s']:7.3f} s  x{r['time_ratio']:.2f}   infer {r['peak_mb_infer']:8.1f} MB  "
+                  f"train {r['peak_mb_train']} MB", file=sys.stderr, flush=True)
         results[str(size)] = res
     env = {"torch": torch.__version__, "timm": timm.__version__, "vitattn": vitattn.__version__,
            "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
@@ -151,15 +178,19 @@ def main() -> None:
     report = {"dims": DIMS, "repeats": a.repeats, "env": env, "results": results}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "detection.json").write_text(json.dumps(report, indent=1))
-    lines = [f"ViT-S/16 trunk to the last map, batch 1, inference, {a.threads} threads, median of {a.repeats} "
-             f"interleaved runs; torch {torch.__version__}, timm {timm.__version__}; ratios to vitattn global.", "",
-             "| size | variant | time (s) | time ratio | peak memory (MB) | memory ratio |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = [f"ViT-S/16 trunk to the last map, batch 1, {a.threads} threads; forward time: median of {a.repeats} "
+             f"interleaved inference runs; peak memory: RSS growth of one inference forward / one training "
+             f"forward+backward in a fresh process; torch {torch.__version__}, timm {timm.__version__}; "
+             "ratios (x) to vitattn global.", "",
+             "| size | variant | forward (s) | x | peak infer (MB) | x | peak train (MB) | x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size, res in results.items():
         for v in VARIANTS:
             r = res[v]
             lines.append(f"| {size}x{size} | {v} | {r['median_s']:.3f} | {r['time_ratio']:.2f} | "
-                         f"{r['peak_mb']:.0f} | {r['memory_ratio']:.2f} |")
+                         f"{r['peak_mb_infer']:.0f} | {r['memory_ratio_infer']:.2f} | "
+                         + (f"{r['peak_mb_train']:.0f} | {r['memory_ratio_train']:.2f} |"
+                            if r["peak_mb_train"] is not None else "not run | |"))
     (a.out / "detection.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
