@@ -48,33 +48,33 @@ def patch_centres(grid: int | Size2, patch_size: int | Size2) -> torch.Tensor:
     return torch.stack([(rows.flatten() + 0.5) * ph, (cols.flatten() + 0.5) * pw], 1).double()
 
 
-def _stack_maps(maps: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """A list of per-layer ``(B, heads, T, T)`` maps, or a tensor of them, as ``(L, B, heads, T, T)``."""
+def _layers(maps: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer ``(B, heads, T, T)`` maps from a list, an ``(L, B, heads, T, T)`` tensor or a single
+    ``(B, heads, T, T)`` map. Layers stay separate (no stacked copy), so ViT-B sized maps fit."""
     if isinstance(maps, torch.Tensor):
-        if maps.ndim == 4:
-            maps = maps[None]
-        if maps.ndim != 5:
+        if maps.ndim not in (4, 5):
             raise ValueError(f"expected attention maps (layers, B, heads, T, T) or (B, heads, T, T), "
                              f"got {tuple(maps.shape)}")
-        return maps
+        maps = [maps] if maps.ndim == 4 else list(maps.unbind(0))
     maps = list(maps)
     if not maps:
         raise ValueError("expected at least one attention map, got an empty list")
     shapes = {tuple(m.shape) for m in maps}
     if len(shapes) != 1 or len(next(iter(shapes))) != 4:
         raise ValueError(f"expected per-layer maps of one shape (B, heads, T, T), got {sorted(shapes)}")
-    return torch.stack(maps)
+    t = maps[0].shape
+    if t[-1] != t[-2]:
+        raise ValueError(f"expected square self-attention maps (B, heads, T, T), got {tuple(t)}")
+    return maps
 
 
-def patch_attention(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int,
-                    renormalize: bool = True) -> torch.Tensor:
-    """``(L, B, heads, P + N, P + N) -> (L, B, heads, N, N)``: patch queries to patch keys, rows
-    renormalised to sum to 1 when ``renormalize`` (see the module note on prefix tokens)."""
-    a = _stack_maps(maps)
+def patch_attention(attn: torch.Tensor, num_prefix_tokens: int, renormalize: bool = True) -> torch.Tensor:
+    """One layer ``(B, heads, P + N, P + N) -> (B, heads, N, N)``: patch queries to patch keys,
+    rows renormalised to sum to 1 when ``renormalize`` (see the module note on prefix tokens)."""
     p = num_prefix_tokens
-    if a.shape[-1] != a.shape[-2] or a.shape[-1] <= p:
-        raise ValueError(f"attention maps {tuple(a.shape[-2:])} do not fit {p} prefix tokens plus patches")
-    a = a[..., p:, p:].double()
+    if attn.shape[-1] <= p:
+        raise ValueError(f"attention maps {tuple(attn.shape[-2:])} do not fit {p} prefix tokens plus patches")
+    a = attn[..., p:, p:].float()
     if renormalize:
         a = a / a.sum(-1, keepdim=True).clamp_min(1e-12)
     return a
@@ -90,14 +90,19 @@ def mean_attention_distance(maps: torch.Tensor | Sequence[torch.Tensor], grid: i
     ``sum_j A_ij ||pos_i - pos_j||`` over patch keys j (patch centres in pixels); the result is the
     mean over queries and images. Prefix tokens: see the module note.
     """
-    a = patch_attention(maps, num_prefix_tokens, renormalize)
+    layers = _layers(maps)
     pos = patch_centres(grid, patch_size)
-    if a.shape[-1] != len(pos):
-        raise ValueError(f"attention maps have {a.shape[-1]} patch tokens after {num_prefix_tokens} prefix "
+    n = layers[0].shape[-1] - num_prefix_tokens
+    if n != len(pos):
+        raise ValueError(f"attention maps have {n} patch tokens after {num_prefix_tokens} prefix "
                          f"token(s), but the grid {_pair(grid)} has {len(pos)}")
-    dist = torch.cdist(pos, pos).to(a.device)  # (N, N) pixels
-    per_query = torch.einsum("lbhij,ij->lbhi", a, dist)
-    return per_query.mean(dim=(1, 3)).float()
+    dist = torch.cdist(pos, pos).float().to(layers[0].device)  # (N, N) pixels
+    out = []
+    for attn in layers:
+        a = patch_attention(attn, num_prefix_tokens, renormalize)
+        per_query = torch.einsum("bhij,ij->bhi", a, dist)  # (B, heads, N)
+        out.append(per_query.double().mean(dim=(0, 2)))
+    return torch.stack(out).float().cpu()
 
 
 def _num_layers(model: nn.Module) -> int:
@@ -208,25 +213,21 @@ def attention_rollout(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_to
     flows into token i at the last layer; every row sums to 1. ``num_prefix_tokens`` only checks
     that the maps have room for them: rollout keeps every token, prefix ones included.
     """
-    a = _stack_maps(maps).double()
-    if a.shape[-1] != a.shape[-2] or a.shape[-1] <= num_prefix_tokens:
-        raise ValueError(f"attention maps {tuple(a.shape[-2:])} do not fit {num_prefix_tokens} prefix tokens")
-    if head_fusion == "mean":
-        a = a.mean(2)
-    elif head_fusion == "max":
-        a = a.amax(2)
-    elif head_fusion == "min":
-        a = a.amin(2)
-    else:
+    layers = _layers(maps)
+    if layers[0].shape[-1] <= num_prefix_tokens:
+        raise ValueError(f"attention maps {tuple(layers[0].shape[-2:])} do not fit {num_prefix_tokens} prefix tokens")
+    fuse = dict(mean=lambda a: a.mean(1), max=lambda a: a.amax(1), min=lambda a: a.amin(1)).get(head_fusion)
+    if fuse is None:
         raise ValueError(f"head_fusion must be 'mean', 'max' or 'min', got {head_fusion!r}")
     if not 0.0 <= residual_weight <= 1.0:
         raise ValueError(f"residual_weight must be in [0, 1], got {residual_weight}")
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    rollout = eye.expand_as(a[0]).clone()
-    for layer in a[start_layer:]:
-        layer = (1 - residual_weight) * layer + residual_weight * eye
-        layer = layer / layer.sum(-1, keepdim=True)
-        rollout = layer @ rollout
+    b, _, t, _ = layers[0].shape
+    eye = torch.eye(t, dtype=torch.float64, device=layers[0].device)
+    rollout = eye.expand(b, t, t).clone()
+    for attn in layers[start_layer:]:
+        a = (1 - residual_weight) * fuse(attn.double()) + residual_weight * eye
+        a = a / a.sum(-1, keepdim=True)
+        rollout = a @ rollout
     return rollout.float()
 
 
