@@ -229,6 +229,8 @@ def test_build_detector_checks():
         build_detector("yolo", tiny_vit(), 3)
     with pytest.raises(ValueError, match="anchor size tuples for 5"):
         build_detector("fcos", tiny_vit(), 3, anchor_sizes=((8,), (16,)))
+    with pytest.raises(ValueError, match="multiple of 32, got 24"):
+        build_detector("fcos", tiny_vit(), 3, out_channels=24)
     bb = ViTDetBackbone(tiny_vit(), 32)
     with pytest.raises(ValueError, match="belong to ViTDetBackbone"):
         build_detector("fcos", bb, 3, window_size=4)

@@ -289,6 +289,9 @@ def build_detector(
     ratios = (1.0,) if kind == "fcos" else (0.5, 1.0, 2.0)
     anchors = AnchorGenerator(sizes, (ratios,) * len(sizes))
     if kind == "fcos":
+        if backbone.out_channels % 32:
+            raise ValueError(f"FCOS's head normalises with GroupNorm(32, channels): out_channels must be a "
+                             f"multiple of 32, got {backbone.out_channels}")
         return FCOS(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
     if kind == "retinanet":
         return RetinaNet(backbone, num_classes, anchor_generator=anchors, **detector_kwargs)
