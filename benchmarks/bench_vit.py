@@ -1,0 +1,460 @@
+"""Side-by-side speed and memory of vitattn's ViT against timm, torchvision and vit-pytorch.
+
+Every library builds a ViT of the same dimensions (depth, width, heads, MLP hidden width, patch,
+tokens incl. one class token); all models of a case live in one process and run **interleaved**
+on the same inputs: repeat r times ``for lib in rotated(libs): time `iters` steps``, then take
+medians. On a shared, noisy machine only figures taken side by side like this are comparable.
+
+Per case and library it prints images/s, the ratio to the best *peer* (the fastest of the other
+libraries), achieved GFLOP/s (``torch.utils.flop_counter.FlopCounterMode``, counted per model)
+and its share of a fp32 matmul peak measured in the same run, and the peak memory of one step
+(CPU allocator events from ``torch.profiler``; with ``--device cuda`` the CUDA allocator's peak).
+
+    flock /tmp/vitattn-cpu.lock python benchmarks/bench_vit.py                      # all eager cases
+    python benchmarks/bench_vit.py --cases cifar_train --repeats 3 --iters 1        # quick look
+    flock /tmp/vitattn-cpu.lock python benchmarks/bench_vit.py --compile --cases cifar_train tiny_infer
+
+Cases (issue 5): (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
+(d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (only
+when ``vitattn.data`` / ``train_cifar.py`` provide the pieces, see ``case_d``).
+
+References: timm ``benchmark.py`` (interleaving, FLOP counting), airbench's timing discipline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+LIBS = ("vitattn", "timm", "torchvision", "vit-pytorch")
+# vitattn with the kernel choices of before this benchmark: SDPA always, plain F.linear everywhere.
+# Not a peer; it shows what the per-case choices buy, measured side by side.
+READABLE = "vitattn-before"
+
+
+# -- cases ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # 'train' (forward, cross-entropy, backward, AdamW step) or 'infer' (inference_mode)
+    img: int  # square image side; every peer accepts square images
+    patch: int
+    dim: int  # token width D
+    depth: int
+    heads: int
+    mlp_ratio: float  # MLP hidden = dim * mlp_ratio
+    batch: int
+    num_classes: int = 1000
+    note: str = ""
+    libs: tuple[str, ...] = LIBS
+
+    @property
+    def tokens(self) -> int:
+        return (self.img // self.patch) ** 2 + 1  # + class token (torchvision always has one)
+
+
+CASES: dict[str, Case] = {c.name: c for c in [
+    # (a) the CIFAR training step, two head layouts
+    Case("cifar_train", "train", 32, 4, 192, 9, 3, 4.0, 128, 10, "32x32/4, D192, depth 9, 3 heads (d=64), mlp 4"),
+    Case("cifar_lee_train", "train", 32, 4, 192, 9, 12, 2.0, 128, 10,
+         "Lee et al. 2021: 12 heads of width 16, mlp 2"),
+    # (b) ImageNet-size inference
+    Case("tiny_infer", "infer", 224, 16, 192, 12, 3, 4.0, 32, note="vit_tiny_patch16_224"),
+    Case("small_infer", "infer", 224, 16, 384, 12, 6, 4.0, 32, note="vit_small_patch16_224"),
+    # (c) long sequences
+    Case("long1024_infer", "infer", 512, 16, 384, 12, 6, 4.0, 2, note="512x512/16 = 1024 tokens, D384"),
+    Case("long4096_infer", "infer", 1024, 16, 384, 12, 6, 4.0, 1, note="1024x1024/16 = 4096 tokens, D384"),
+]}
+GROUPS = {"a": ["cifar_train", "cifar_lee_train"], "b": ["tiny_infer", "small_infer"],
+          "c": ["long1024_infer", "long4096_infer"], "d": ["cifar_pipeline"]}
+
+
+# -- the models, same dimensions in every library ---------------------------------------------------
+def build_model(lib: str, c: Case) -> nn.Module:
+    hidden = int(c.dim * c.mlp_ratio)
+    if lib == READABLE:
+        model = build_model("vitattn", c)
+        for blk in model.blocks:
+            blk.attn.fused = True
+        return model
+    if lib == "vitattn":
+        from vitattn import ViT, ViTConfig
+        return ViT(ViTConfig(img_size=c.img, patch_size=c.patch, embed_dim=c.dim, depth=c.depth, num_heads=c.heads,
+                             mlp_ratio=c.mlp_ratio, num_classes=c.num_classes))
+    if lib == "timm":
+        from timm.models.vision_transformer import VisionTransformer
+        return VisionTransformer(img_size=c.img, patch_size=c.patch, embed_dim=c.dim, depth=c.depth,
+                                 num_heads=c.heads, mlp_ratio=c.mlp_ratio, num_classes=c.num_classes)
+    if lib == "torchvision":
+        from torchvision.models.vision_transformer import VisionTransformer
+        return VisionTransformer(image_size=c.img, patch_size=c.patch, num_layers=c.depth, num_heads=c.heads,
+                                 hidden_dim=c.dim, mlp_dim=hidden, num_classes=c.num_classes)
+    if lib == "vit-pytorch":
+        # vit-pytorch adds LayerNorms around its patch projection and has no qkv bias; the rest matches.
+        from vit_pytorch import ViT as VPViT
+        return VPViT(image_size=c.img, patch_size=c.patch, num_classes=c.num_classes, dim=c.dim, depth=c.depth,
+                     heads=c.heads, mlp_dim=hidden, dim_head=c.dim // c.heads, pool="cls")
+    raise ValueError(f"unknown library {lib!r}; expected one of {LIBS}")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device, dtype=torch.float32, n: int = 2048, reps: int = 5) -> float:
+    """Best fp32 GFLOP/s of an ``n x n @ n x n`` product on this device, now."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _onednn_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    tokens = 1
+    for n in x_shape[:-1]:
+        tokens *= n
+    return 2 * tokens * w_shape[0] * w_shape[1]
+
+
+# FlopCounterMode knows the CUDA attention kernels and aten's matrix products; teach it the CPU
+# flash kernel and oneDNN's linear too, so a fused model is not credited with fewer FLOPs.
+FLOP_MAPPING = {
+    torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+}
+
+
+def count_flops(step: Callable[[], object]) -> int:
+    with FlopCounterMode(display=False, custom_mapping=FLOP_MAPPING) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def peak_memory(step: Callable[[], object], device: torch.device) -> int:
+    """Bytes of the largest live allocation total during one step, above what was live before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass
+class Runner:
+    """One library's model for one case, with a ``step()`` that does one timed unit of work."""
+
+    lib: str
+    model: nn.Module
+    step: Callable[[], object]
+    params: int
+    times: list[float] = field(default_factory=list)
+
+
+def make_runner(lib: str, c: Case, x: torch.Tensor, y: torch.Tensor, device: torch.device, compile_: bool,
+                amp: bool) -> Runner:
+    torch.manual_seed(0)
+    model = build_model(lib, c).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    fwd = torch.compile(model) if compile_ else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+    if lib == READABLE:  # plain F.linear for this model only, switched around each of its steps
+        import vitattn.attention as va
+        run = fwd
+
+        def fwd(inp):
+            va.ONEDNN_LINEAR = False
+            try:
+                return run(inp)
+            finally:
+                va.ONEDNN_LINEAR = True
+    if c.mode == "train":
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with autocast:
+                loss = F.cross_entropy(fwd(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+    else:
+        model.eval()
+
+        def step():
+            with torch.inference_mode(), autocast:
+                return fwd(x)
+    return Runner(lib, model, step, params)
+
+
+def time_steps(r: Runner, iters: int, device: torch.device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        r.step()
+    sync(device)
+    return (time.perf_counter() - t) / iters
+
+
+def run_case(c: Case, args, device: torch.device, peak_gflops: float) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(c.batch, 3, c.img, c.img, device=device)
+    y = torch.randint(0, c.num_classes, (c.batch,), device=device)
+    libs = [lib for lib in c.libs if lib in args.libs]
+    if args.ablation and not args.compile and "vitattn" in libs:
+        libs.insert(1, READABLE)
+    runners = [make_runner(lib, c, x, y, device, args.compile, args.amp) for lib in libs]
+    for r in runners:  # warm up (and compile) before any timing
+        for _ in range(args.warmup):
+            r.step()
+    for rep in range(args.repeats):  # interleaved: each repeat visits every library, rotating the order
+        for i in range(len(runners)):
+            r = runners[(i + rep) % len(runners)]
+            r.times.append(time_steps(r, args.iters, device))
+    rows = []
+    for r in runners:
+        flops = count_flops(r.step) if not args.compile else None
+        mem = peak_memory(r.step, device) if not args.no_memory else None
+        med = statistics.median(r.times)
+        rows.append(dict(case=c.name, mode=c.mode, compiled=args.compile, lib=r.lib, params=r.params,
+                         batch=c.batch, tokens=c.tokens, step_s=med, step_s_min=min(r.times),
+                         step_s_max=max(r.times), times=r.times, img_per_s=c.batch / med, flops=flops,
+                         peak_mem_bytes=mem))
+    if args.compile:  # FLOPs do not depend on compilation; count them on the eager model
+        for row, r in zip(rows, runners):
+            eager = make_runner(r.lib, c, x, y, device, False, args.amp)
+            row["flops"] = count_flops(eager.step)
+    for row in rows:  # the best other library; vitattn's own variant is nobody's peer
+        peers = [o["img_per_s"] for o in rows if o["lib"] not in (row["lib"], READABLE)
+                 and not (row["lib"] == READABLE and o["lib"] == "vitattn")]
+        row["ratio_best_peer"] = row["img_per_s"] / max(peers) if peers else None
+        row["gflops_per_s"] = row["flops"] / row["step_s"] / 1e9 if row["flops"] else None
+        row["peak_share"] = row["gflops_per_s"] / peak_gflops if row["gflops_per_s"] else None
+    return rows
+
+
+# -- case (d): train_cifar.py's whole step ---------------------------------------------------------
+def case_d(args, device: torch.device) -> list[dict]:
+    """``train_cifar.py``'s training step (batch indexing, translate + flip augmentation on uint8,
+    normalisation, forward, label-smoothed cross-entropy, backward, gradient clipping, AdamW with
+    the ViT recipe) against the model-only step on a ready float batch, interleaved, vitattn only.
+
+    Uses ``train_cifar``'s public pieces (``RECIPES``, ``build_optimizer``, ``Normalize``) and
+    ``vitattn.data``'s ``BatchLoader`` / ``Augment``; the images are random uint8 (augmentation
+    cost does not depend on content)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import train_cifar as tc
+    import vitattn
+    from vitattn.data import Augment, BatchLoader
+
+    preset = args.pipeline_preset
+    r = tc.RECIPES["vit"]
+    batch = args.batch or r.batch_size
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (max(8 * batch, 2048), 3, 32, 32), dtype=torch.uint8, generator=gen)
+    labels = torch.randint(0, 10, (len(images),), generator=gen)
+    loader = BatchLoader(images, labels, batch, shuffle=True, drop_last=True,
+                         augment=Augment(translate=r.translate, flip=True, cutout=r.cutout), seed=0)
+    norm = tc.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)).to(device)
+
+    def make(full: bool) -> Runner:
+        torch.manual_seed(0)
+        model = vitattn.create_model(preset, num_classes=10).to(device).train()
+        opt = tc.build_optimizer(model, r)
+        fwd = torch.compile(model) if args.compile else model
+        x_ready = norm(images[:batch].to(device))
+        y_ready = labels[:batch].to(device)
+        state = {"it": iter(())}
+
+        def next_batch():
+            try:
+                return next(state["it"])
+            except StopIteration:
+                state["it"] = loader.epoch(0)
+                return next(state["it"])
+
+        def step():
+            if full:
+                xb, yb = next_batch()
+                x, y = norm(xb.to(device)), yb.to(device)
+            else:
+                x, y = x_ready, y_ready
+            opt.zero_grad(set_to_none=True)
+            logits = fwd(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=r.label_smoothing if full else 0.0)
+            loss.backward()
+            if full and r.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip)
+            opt.step()
+            if full:
+                loss.item(), int((logits.argmax(1) == y).sum())  # the loop's per-step host syncs
+            return loss
+        return Runner("vitattn (train_cifar step)" if full else "vitattn (model only)", model, step,
+                      sum(p.numel() for p in model.parameters()))
+
+    runners = [make(True), make(False)]
+    for rn in runners:
+        for _ in range(max(args.warmup, 3)):  # the loader's first epoch and the optimiser state warm up too
+            rn.step()
+    for rep in range(args.repeats):
+        for i in range(len(runners)):
+            rn = runners[(i + rep) % len(runners)]
+            rn.times.append(time_steps(rn, args.iters, device))
+    rows = []
+    for rn in runners:
+        med = statistics.median(rn.times)
+        rows.append(dict(case=f"cifar_pipeline ({preset})", mode="train", compiled=args.compile, lib=rn.lib,
+                         params=rn.params, batch=batch, tokens=None, step_s=med, step_s_min=min(rn.times),
+                         step_s_max=max(rn.times), times=rn.times, img_per_s=batch / med, flops=None,
+                         peak_mem_bytes=None, ratio_best_peer=None, gflops_per_s=None, peak_share=None))
+    rows[0]["ratio_best_peer"] = rows[0]["img_per_s"] / rows[1]["img_per_s"]  # pipeline / model-only
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    import importlib.metadata as md
+    cpu = "?"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        cpu = f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs"
+    except OSError:
+        pass
+    versions = {}
+    for pkg in ("torch", "timm", "torchvision", "vit-pytorch", "einops", "vitattn"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    env = dict(cpu=cpu, threads=torch.get_num_threads(), python=platform.python_version(),
+               platform=platform.platform(), versions=versions, device=str(device))
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def markdown(rows: list[dict], peak: float) -> str:
+    lines = ["| case | mode | library | params | img/s | vs best peer | GFLOP/s | % of peak | peak mem (MB) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mode = r["mode"] + (" compiled" if r.get("compiled") else "")
+        ratio = f"{r['ratio_best_peer']:.2f}x" if r.get("ratio_best_peer") else "-"
+        if r["case"].startswith("cifar_pipeline") and r.get("ratio_best_peer"):
+            ratio += " of model-only"
+        gf = f"{r['gflops_per_s']:.0f}" if r.get("gflops_per_s") else "-"
+        share = f"{100 * r['peak_share']:.0f}%" if r.get("peak_share") else "-"
+        mem = f"{r['peak_mem_bytes'] / 2**20:.0f}" if r.get("peak_mem_bytes") is not None else "-"
+        name = f"**{r['lib']}**" if r["lib"] == "vitattn" else r["lib"]
+        lines.append(f"| {r['case']} | {mode} | {name} | {r['params'] / 1e6:.2f}M | {r['img_per_s']:.1f} | "
+                     f"{ratio} | {gf} | {share} | {mem} |")
+    lines.append(f"\nfp32 matmul peak measured in this run: {peak:.0f} GFLOP/s (2048^3 `torch.mm`, best of 5).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["a", "b", "c"],
+                   help=f"case names or groups: {sorted(CASES) + ['cifar_pipeline']} / {sorted(GROUPS)}")
+    p.add_argument("--libs", nargs="+", default=list(LIBS), choices=LIBS)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median is reported")
+    p.add_argument("--iters", type=int, default=2, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
+    p.add_argument("--batch", type=int, default=None, help="override every case's batch size")
+    p.add_argument("--ablation", action="store_true", help=f"also run {READABLE} (SDPA always, plain F.linear)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every model (compiled vs compiled)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for CUDA)")
+    p.add_argument("--pipeline-preset", default="vit_cifar_patch4", help="vitattn preset for case (d)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--no-memory", action="store_true", help="skip the profiled peak-memory step")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown files")
+    p.add_argument("--tag", default=None, help="file name stem; default from the date and mode")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    names = [n for sel in args.cases for n in GROUPS.get(sel, [sel])]
+    unknown = [n for n in names if n not in CASES and n != "cifar_pipeline"]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; expected names from {sorted(CASES)} or groups {sorted(GROUPS)}")
+
+    env = environment(device)
+    t0 = time.perf_counter()
+    peaks = [matmul_peak(device)]
+    rows: list[dict] = []
+    for name in names:
+        if name == "cifar_pipeline":
+            rows += case_d(args, device)
+        else:
+            c = CASES[name]
+            if args.batch:
+                c = replace(c, batch=args.batch)
+            rows += run_case(c, args, device, peaks[0])
+        print(f"# {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    peaks.append(matmul_peak(device))
+    peak = max(peaks)
+    for r in rows:  # share of the best peak seen in the run
+        if r.get("gflops_per_s"):
+            r["peak_share"] = r["gflops_per_s"] / peak
+    table = markdown(rows, peak)
+    print(table)
+    result = dict(env=env, args=vars(args), command=" ".join(sys.argv), matmul_peak_gflops=peaks,
+                  wall_s=time.perf_counter() - t0, cases={n: asdict(CASES[n]) for n in names if n in CASES},
+                  rows=rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or time.strftime("%Y%m%d-%H%M%S") + ("-compiled" if args.compile else "")
+    (out / f"{tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{tag}.md").write_text(
+        f"{env['cpu']}, {env['threads']} threads, torch {env['versions']['torch']}, timm {env['versions']['timm']}, "
+        f"torchvision {env['versions']['torchvision']}, vit-pytorch {env['versions']['vit-pytorch']}; "
+        f"`{result['command']}`; {args.repeats} interleaved repeats x {args.iters} steps, medians; "
+        f"wall {result['wall_s']:.0f} s\n\n{table}\n")
+    print(f"wrote {out / tag}.json and .md", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
