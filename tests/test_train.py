@@ -79,6 +79,16 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
 
 
+def test_flops_per_image_counts_every_matrix_product():
+    import vitattn
+
+    m = vitattn.create_model("vit_cifar_patch4")  # D 192, depth 6, mlp 2, 64 patches of 4x4 + class token
+    d, t, depth = 192, 65, 6
+    per_block = 2 * t * (3 * d * d + d * d + 2 * 2 * d * d) + 4 * t * t * d  # qkv, proj, mlp; QK^T and AV
+    want = 2 * (3 * 4 * 4) * d * 64 + depth * per_block + 2 * d * 10  # patch embedding, blocks, head
+    assert T.flops_per_image(m, (32, 32)) == want
+
+
 def test_cli_help_and_preset_routing(capsys):
     with pytest.raises(SystemExit) as e:
         T.parse_args(["--help"])

@@ -39,6 +39,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     # The CNN baseline.
     "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10),
                   "airbench94's network shape (Jordan 2024), ~2M params"),
+    "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10),
+                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params, 2x the images/s on a CPU"),
     "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10),
                         "vitattn: a quarter-width cnn_cifar for quick runs"),
 }
