@@ -913,7 +913,8 @@ def write_report(out: Path, cfg: Config, summary: dict, context: dict, figs: lis
                   "in pixels over patch keys, averaged over queries and "
                   f"{cfg.context_images} test images; the class token is left out and each patch query's "
                   "weights are renormalised over the patch keys. Effective receptive field (Luo et al. 2016): "
-                  "|d centre unit / d input| over 32 test images, reduced to a radius with the same formula "
+                  f"|d centre unit / d input| over {min(32, cfg.context_images)} test images, "
+                  "reduced to a radius with the same formula "
                   "(gradient-weighted mean pixel distance from the unit's centre).", "",
                   "| model | layer | ERF radius (px) | ERF 90% radius (px) | attention distance (px), mean [min, max] "
                   "over heads |", "|---|---|---:|---:|---|"]
