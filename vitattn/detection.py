@@ -112,8 +112,8 @@ class ViTDetBackbone(nn.Module):
 
     The ViT is taken over and adapted in place: it accepts any image size (learned positions are
     resampled on the fly), its classifier head and ``fc_norm`` are removed, and window attention
-    is set as asked.
-    Images whose sides are not multiples of the patch are padded at the bottom/right.
+    is set as asked. Images whose sides are not multiples of the patch are padded at the
+    bottom/right (torchvision's transform already pads batches to multiples of 32).
 
     Args:
         vit: any vitattn ``ViT`` (a preset, ``from_timm``, or one trained here); square patches.
