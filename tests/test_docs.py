@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["concepts.md", "api.md"]
+PAGES = ["concepts.md", "api.md", "detection.md"]
 
 
 def snippets(page: str) -> list[str]:
