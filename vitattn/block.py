@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import MultiHeadAttention, linear
+from .attention import MultiHeadAttention
 
 Size2 = tuple[int, int]
 
@@ -30,8 +30,6 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.act) is nn.GELU and self.act.approximate == "none":  # fc1 and GELU in one kernel where one exists
-            return self.drop2(linear(self.drop1(linear(x, self.fc1, gelu=True)), self.fc2))
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
