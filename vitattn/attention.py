@@ -24,8 +24,8 @@ additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attent
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. By default
-(``fused='auto'``) :func:`fused_is_faster` picks between them from measurements: on CPU the explicit
-path trains faster at short sequences, the fused kernel wins everywhere else.
+(``fused='auto'``) :func:`fused_is_faster` picks between them from measurements recorded below; on
+the CPUs measured so far that is the fused kernel everywhere.
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
@@ -43,77 +43,29 @@ from torch import nn
 SCORES = ("scaled_dot", "dot", "general", "additive")
 Size2 = tuple[int, int]
 
-# Up to this many keys, CPU training uses the explicit path under ``fused="auto"``. Measured with
-# microbenchmarks recorded in docs/performance.md (2-core AMD EPYC, AVX2, fp32, torch 2.14,
-# qkv -> attention -> (B, N, D) forward + backward, interleaved, best of 5), ms per block:
+# Up to this many keys, CPU training would use the explicit path under ``fused="auto"``; 0 = never.
+# Measured on a 2-core AMD EPYC (AVX2), fp32, torch 2.14 (docs/performance.md). Attention alone
+# (qkv -> attention -> (B, N, D), forward + backward, interleaved, best of 5), ms per block:
 #   B 128, N 65, 3 heads d 64:   explicit 21.1   SDPA 23.3   (SDPA math backend 25.4)
 #   B 128, N 65, 12 heads d 16:  explicit 33.9   SDPA 38.3   (math 47.0)
-#   B 32, N 197, 3 heads d 64:   explicit 33.5   SDPA 32.2   -> a tie; the fused kernel keeps memory linear
+#   B 32, N 197, 3 heads d 64:   explicit 33.5   SDPA 32.2
+# but in the whole training step (benchmarks/bench_vit.py --ablation, interleaved, medians) the
+# explicit path gained nothing: 70.7 vs 71.4 img/s (3 heads), 81.0 vs 82.5 (12 heads of 16),
+# and kept the N x N weights for backward (peak memory 965 vs 911 MB, 900 vs 678 MB). Under a
+# busy neighbour its many small kernels lose further. So the fused kernel everywhere on CPU.
 # Inference (no grad) the fused kernel wins at every length: N 65: 6.0 vs 6.7 ms (d 64), 11.4 vs
 # 13.2 (d 16); N 197: 10.5 vs 11.8; N 1025: 23.7 vs 34.0; N 4097: 183 vs 567 (and no N x N matrix).
-EXPLICIT_MAX_KEYS_CPU_TRAIN = 128
+EXPLICIT_MAX_KEYS_CPU_TRAIN = 0
 
 
 def fused_is_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The kernel choice of ``fused='auto'`` for per-head ``q, k`` of shape ``(B, heads, N, d)``:
-    False only for CPU training (gradients needed) over at most ``EXPLICIT_MAX_KEYS_CPU_TRAIN`` keys,
-    where the CPU flash kernel's backward loses to two matrix products and a softmax."""
+    False only for CPU training (gradients needed) over at most ``EXPLICIT_MAX_KEYS_CPU_TRAIN`` keys
+    (0 by measurement, see above)."""
     if q.device.type != "cpu":
         return True
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return not (needs_grad and k.shape[-2] <= EXPLICIT_MAX_KEYS_CPU_TRAIN)
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """``x @ weight.T + bias`` forward through oneDNN's linear, backward by the same matrix
-    products as ``F.linear``'s own backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
-
-
-ONEDNN_LINEAR = True  # False: every projection is plain ``layer(x)`` (for measuring what this buys)
-
-
-def _onednn_applies(x: torch.Tensor, layer: nn.Linear) -> bool:
-    return (
-        ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and layer.weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available() and not torch.compiler.is_compiling()
-        and not torch.is_autocast_enabled("cpu") and not (layer._forward_hooks or layer._forward_pre_hooks)
-    )
-
-
-def linear(x: torch.Tensor, layer: nn.Linear, gelu: bool = False) -> torch.Tensor:
-    """``layer(x)``, then exact GELU with ``gelu=True``: the same numbers, through the fastest kernel.
-
-    On CPU (fp32, eager) oneDNN's linear adds the bias inside the matrix product and, without
-    gradients, applies GELU there too, where ``F.linear`` copies the bias into the output first and
-    GELU is another pass. Measured (docs/performance.md; 2-core AMD EPYC, AVX2, fp32, 8320 x D
-    tokens): 192 -> 192: 8.0 ms vs 11.9 ms; 192 -> 576: 24.0 vs 29.9; 192 -> 768 and 768 -> 192:
-    within 10%. Everywhere else (CUDA, autocast, ``torch.compile``, hooks) it is ``layer(x)``.
-    """
-    if not _onednn_applies(x, layer):
-        y = layer(x)
-        return F.gelu(y) if gelu else y
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
-    if needs_grad:
-        y = _OneDNNLinear.apply(x, layer.weight, layer.bias)
-        return F.gelu(y) if gelu else y
-    if gelu:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "gelu", [], "none")
-    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
 
 
 def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
@@ -261,7 +213,7 @@ class MultiHeadAttention(nn.Module):
                 # Split q, k, v where they lie (axis 2) and only then move heads forward: the
                 # backward stacks the three gradients straight into qkv's layout, one copy where
                 # unbinding a 'three b h n d' view takes two (a stack, then a permuted clone).
-                qkv = rearrange(linear(x, self.qkv), "b n (three h d) -> b n three h d", three=3, h=h)
+                qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=h)
                 q, k, v = (rearrange(t, "b n h d -> b h n d") for t in qkv.unbind(2))
             else:
                 w, b = self.qkv.weight, self.qkv.bias
@@ -320,7 +272,7 @@ class MultiHeadAttention(nn.Module):
                 out, weights = self._window_attend(q, k, v, grid, num_prefix_tokens), None
         else:
             out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
-        out = self.proj_drop(linear(rearrange(out, "b h n d -> b n (h d)"), self.proj))
+        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
         return (out, weights) if return_attention else out
 
     @staticmethod
