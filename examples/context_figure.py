@@ -1,7 +1,7 @@
 """How far does each layer look? ViT attention distance against CNN receptive field, measured.
 
-Trains the CIFAR ViT preset and the CNN preset briefly on the long-range task (two marks, same
-shape or not), under the same wall-clock budget each, then measures on held-out images:
+Trains small versions of the CIFAR ViT and CNN presets briefly on the long-range task (two marks,
+same colour or not), with the same time or step budget each, then measures on held-out images:
 mean attention distance per ViT block and head, the effective receptive field radius of every ViT
 block and CNN stage, and accuracy against mark distance. Writes PNG figures and a JSON of the
 numbers to ``--out`` (default ``docs/img``).
@@ -48,7 +48,10 @@ WARMUP = 0.05  # fraction of the budget spent warming up the learning rate
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--budget-s", type=float, default=110.0, help="training seconds per model")
+    p.add_argument("--budget-s", type=float, default=110.0, help="training seconds per model (without --steps)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train each model for this many steps instead of a time budget (same data for both, "
+                        "and the result does not depend on what else the machine is doing)")
     p.add_argument("--train-size", type=int, default=20_000)
     p.add_argument("--test-size", type=int, default=2_000)
     p.add_argument("--probe-size", type=int, default=128, help="test images for the context measures")
@@ -80,7 +83,7 @@ def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, gen: torch.Genera
 
 
 # ---------------------------------------------------------------------------------------------
-# Training under a time budget; the schedule follows elapsed time, not steps
+# Training under a time budget (the schedule follows elapsed time) or a step budget
 # ---------------------------------------------------------------------------------------------
 def lr_factor(frac: float) -> float:
     if frac < WARMUP:
@@ -98,7 +101,7 @@ def train(model, name, x, y, args) -> dict:
     model.train()
     start, steps, seen, losses = time.perf_counter(), 0, 0, []
     for xb, yb in batches(x, y, args.batch_size, gen):
-        frac = (time.perf_counter() - start) / args.budget_s
+        frac = steps / args.steps if args.steps else (time.perf_counter() - start) / args.budget_s
         if frac >= 1:
             break
         for g in opt.param_groups:
@@ -174,7 +177,9 @@ def figure_context(res: dict, path: Path) -> None:
                 label=f"{name} ({r['params'] / 1e6:.2f}M params, test acc {r['test_acc']:.3f})")
     bx.axhline(0.5, color="grey", lw=0.8, ls=":")
     bx.set(xlabel="distance between the marks (px)", ylabel="test accuracy", ylim=(0.4, 1.0),
-           title=f"Long-range task, {res['config']['budget_s']:.0f} s of training each")
+           title="Long-range task ({}, {} each)".format(
+               res["config"]["attribute"],
+               f"{res['config']['steps']} steps" if res["config"]["steps"] else f"{res['config']['budget_s']:.0f} s"))
     bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -192,9 +197,11 @@ def figure_fields(res: dict, path: Path) -> None:
             a.axis("off")
             if c < len(fields["erf_grads"]):
                 g = fields["erf_grads"][c]
-                a.imshow((g / g.max()).sqrt().numpy(), cmap="magma", vmin=0, vmax=1)
+                # Log scale: shows the support (where the gradient is non-zero at all) as well as the mass.
+                a.imshow((g / g.max()).clamp_min(1e-5).log10().numpy(), cmap="magma", vmin=-5, vmax=0)
                 a.set_title(f"{label} {fields['erf_names'][c]}\nr={fields['erf_radius_px'][c]:.1f}px", fontsize=7)
-    fig.suptitle("Effective receptive field of the centre unit (sqrt |grad|, trained models)", fontsize=8)
+    fig.suptitle("Effective receptive field of the centre unit, trained models: log10 |grad| / max, "
+                 "black below 1e-5", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
