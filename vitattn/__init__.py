@@ -6,6 +6,7 @@
     maps = model.get_attention_maps(images)    # one (B, heads, N, N) per block
 """
 
+from . import context, longrange  # global-context measures and the long-range task (torch only)
 from .attention import SCORES, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN
@@ -21,5 +22,5 @@ __all__ = [
     "SCORES", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
     "patchify", "resample_abs_pos_embed", "sincos_1d", "sincos_2d", "to_timm", "to_timm_state_dict",
-    "unpatchify", "window_mask",
+    "unpatchify", "window_mask", "context", "longrange",
 ]
