@@ -17,7 +17,7 @@ and its share of a fp32 matmul peak measured in the same run, and the peak memor
 Cases (issue 5): (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
 (d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built
 from ``train_cifar``'s and ``vitattn.data``'s public pieces, see ``case_d``). ``--ablation`` adds
-vitattn with its attention kernel pinned, to show what the per-case choice buys.
+vitattn with its attention kernel pinned, to show what the fused kernel buys.
 
 References: timm ``benchmark.py`` (interleaving, FLOP counting), airbench's timing discipline.
 """

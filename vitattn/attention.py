@@ -23,9 +23,9 @@ additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attent
 
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
-asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. By default
-(``fused='auto'``) :func:`fused_is_faster` picks between them from measurements recorded below; on
-the CPUs measured so far that is the fused kernel everywhere.
+asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
+kernel is the default wherever it computes the same thing; the measurements behind that choice
+are recorded below.
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
@@ -43,29 +43,17 @@ from torch import nn
 SCORES = ("scaled_dot", "dot", "general", "additive")
 Size2 = tuple[int, int]
 
-# Up to this many keys, CPU training would use the explicit path under ``fused="auto"``; 0 = never.
-# Measured on a 2-core AMD EPYC (AVX2), fp32, torch 2.14 (docs/performance.md). Attention alone
-# (qkv -> attention -> (B, N, D), forward + backward, interleaved, best of 5), ms per block:
+# Why the fused kernel is the default (2-core AMD EPYC, AVX2, fp32, torch 2.14; docs/performance.md).
+# Attention alone (qkv -> attention -> (B, N, D), forward + backward, interleaved, best of 5), ms
+# per block, favours the explicit path for short sequences in training:
 #   B 128, N 65, 3 heads d 64:   explicit 21.1   SDPA 23.3   (SDPA math backend 25.4)
 #   B 128, N 65, 12 heads d 16:  explicit 33.9   SDPA 38.3   (math 47.0)
 #   B 32, N 197, 3 heads d 64:   explicit 33.5   SDPA 32.2
-# but in the whole training step (benchmarks/bench_vit.py --ablation, interleaved, medians) the
-# explicit path gained nothing: 70.7 vs 71.4 img/s (3 heads), 81.0 vs 82.5 (12 heads of 16),
-# and kept the N x N weights for backward (peak memory 965 vs 911 MB, 900 vs 678 MB). Under a
-# busy neighbour its many small kernels lose further. So the fused kernel everywhere on CPU.
-# Inference (no grad) the fused kernel wins at every length: N 65: 6.0 vs 6.7 ms (d 64), 11.4 vs
-# 13.2 (d 16); N 197: 10.5 vs 11.8; N 1025: 23.7 vs 34.0; N 4097: 183 vs 567 (and no N x N matrix).
-EXPLICIT_MAX_KEYS_CPU_TRAIN = 0
-
-
-def fused_is_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The kernel choice of ``fused='auto'`` for per-head ``q, k`` of shape ``(B, heads, N, d)``:
-    False only for CPU training (gradients needed) over at most ``EXPLICIT_MAX_KEYS_CPU_TRAIN`` keys
-    (0 by measurement, see above)."""
-    if q.device.type != "cpu":
-        return True
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    return not (needs_grad and k.shape[-2] <= EXPLICIT_MAX_KEYS_CPU_TRAIN)
+# but in the whole training step (benchmarks/bench_vit.py --ablation, interleaved, medians) it
+# gained nothing: 70.7 vs 71.4 img/s (3 heads), 81.0 vs 82.5 (12 heads of 16), and it keeps the
+# N x N weights for backward (peak memory 965 vs 911 MB, 900 vs 678 MB). Without gradients the
+# fused kernel wins at every length: N 65: 6.0 vs 6.7 ms (d 64), 11.4 vs 13.2 (d 16); N 197: 10.5
+# vs 11.8; N 1025: 23.7 vs 34.0; N 4097: 183 vs 567 (and no N x N matrix). So: fused everywhere.
 
 
 def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
@@ -100,8 +88,8 @@ class MultiHeadAttention(nn.Module):
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
             ``grid`` in ``forward``. ``None`` is global attention.
         additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
-        fused: ``True`` uses the fused kernel wherever it computes the same thing, ``False`` always
-            the explicit path, ``'auto'`` (default) whichever :func:`fused_is_faster` says.
+        fused: use the fused kernel wherever it computes the same thing (``False``: always the
+            explicit path).
     """
 
     def __init__(
@@ -119,7 +107,7 @@ class MultiHeadAttention(nn.Module):
         proj_drop: float = 0.0,
         window_size: int | Size2 | None = None,
         additive_dim: int | None = None,
-        fused: bool | str = "auto",
+        fused: bool = True,
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -133,8 +121,6 @@ class MultiHeadAttention(nn.Module):
         self.hidden_dim = hidden_dim
         self.scale = d**-0.5
         self.score = score
-        if fused not in (True, False, "auto"):
-            raise ValueError(f"fused must be True, False or 'auto', got {fused!r}")
         self.fused = fused
         if window_size is not None and isinstance(window_size, int):
             window_size = (window_size, window_size)
@@ -187,8 +173,7 @@ class MultiHeadAttention(nn.Module):
         ``(B, heads, Nq, Nk)``.
         """
         drop = self.attn_drop.p if self.training else 0.0
-        fused = self.fused if self.fused != "auto" else fused_is_faster(q, k)
-        if fused and not need_weights and self.score != "additive":
+        if self.fused and not need_weights and self.score != "additive":
             scale = {"scaled_dot": self.scale, "dot": 1.0, "general": 1.0}[self.score]
             if self.score == "general":
                 q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)
