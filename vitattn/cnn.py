@@ -24,6 +24,9 @@ class CNNConfig:
     stem_width: int = 32  # channels after the stem conv
     widths: tuple[int, ...] = field(default_factory=lambda: (64, 256, 256))  # channels per stage
     drop_rate: float = 0.0  # dropout before the head
+    head_scale: float = 1.0  # logits are multiplied by this (airbench uses 1/9: a tempered head takes a high lr)
+    bn_weight: bool = True  # learn BatchNorm's scale; False keeps it at 1 (airbench: only the shift is learned)
+    dirac_init: bool = False  # start each conv as an identity on its first in-channels (an implicit residual)
 
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
@@ -32,11 +35,17 @@ class CNNConfig:
         return asdict(self)
 
 
-def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=False)]
+def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dirac_init: bool = False) -> nn.Sequential:
+    conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+    if dirac_init:
+        with torch.no_grad():  # out-channel i starts by copying in-channel i (plus the random rest)
+            nn.init.dirac_(conv.weight[: min(cin, cout)])
+    layers: list[nn.Module] = [conv]
     if pool:
         layers.append(nn.MaxPool2d(2))
-    layers += [nn.BatchNorm2d(cout), nn.GELU()]
+    bn = nn.BatchNorm2d(cout)
+    bn.weight.requires_grad_(bn_weight)
+    layers += [bn, nn.GELU()]
     return nn.Sequential(*layers)
 
 
@@ -52,10 +61,12 @@ class SmallCNN(nn.Module):
         self.config = c = config
         self.num_classes = c.num_classes
         self.num_features = c.widths[-1]
-        self.stem = conv_bn(c.in_chans, c.stem_width)
+        opts = dict(bn_weight=c.bn_weight, dirac_init=c.dirac_init)
+        self.stem = conv_bn(c.in_chans, c.stem_width, **opts)
         widths = (c.stem_width, *c.widths)
         self.stages = nn.ModuleList(
-            nn.Sequential(conv_bn(widths[i], widths[i + 1], pool=True), conv_bn(widths[i + 1], widths[i + 1]))
+            nn.Sequential(conv_bn(widths[i], widths[i + 1], pool=True, **opts),
+                          conv_bn(widths[i + 1], widths[i + 1], **opts))
             for i in range(len(c.widths))
         )
         self.head_drop = nn.Dropout(c.drop_rate)
@@ -73,7 +84,7 @@ class SmallCNN(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``(B, C, h, w) -> (B, num_classes)``: global max-pool, dropout, linear."""
         x = self.head_drop(x.amax(dim=(2, 3)))
-        return x if pre_logits else self.head(x)
+        return x if pre_logits else self.head(x) * self.config.head_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
