@@ -67,6 +67,51 @@ def test_forward_features_head_and_pre_logits():
     assert torch.allclose(m.forward_head(feats), m(x))
 
 
+@pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, init_values=0.1), dict(score="general"),
+                                dict(score="additive"), dict(pos_embed="sincos2d", qkv_bias=False)])
+def test_class_token_shortcut_equals_the_readable_path(kw):
+    """forward() runs the last block for the class token alone; outputs and every gradient must
+    equal forward_head(forward_features(x)), which computes the block for all tokens."""
+    m = tiny(**kw).eval()
+    x = torch.randn(3, 3, 16, 16, requires_grad=True)
+    fast, slow = m(x), m.forward_head(m.forward_features(x))
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    wrt = [x, *m.parameters()]
+    g_fast = torch.autograd.grad(fast.square().sum(), wrt)
+    g_slow = torch.autograd.grad(slow.square().sum(), wrt)
+    for (name, _), a, b in zip([("input", x), *m.named_parameters()], g_fast, g_slow):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    blk, tokens = m.blocks[-1], torch.randn(2, 17, 32)
+    torch.testing.assert_close(blk.forward_first(tokens, 3), blk(tokens)[:, :3], atol=1e-6, rtol=1e-6)
+
+
+def test_class_token_shortcut_saves_the_work_it_claims():
+    """The last block of a 2-block tiny model costs ~half the FLOPs; the shortcut keeps only its
+    key/value projections and the class token's share (counted, not timed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = tiny(img_size=32).eval()  # 64 patches + 1 class token
+    x = torch.randn(2, 3, 32, 32)
+
+    def flops(fn):
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            fn(x)
+        return fc.get_total_flops()
+
+    fast, slow = flops(m), flops(lambda t: m.forward_head(m.forward_features(t)))
+    assert fast < 0.65 * slow, (fast, slow)
+    # avg pooling reads every token: no shortcut, identical work
+    m_avg = tiny(img_size=32, class_token=False, global_pool="avg").eval()
+    assert flops(m_avg) == flops(lambda t: m_avg.forward_head(m_avg.forward_features(t)))
+
+
+def test_forward_first_refuses_window_attention():
+    m = tiny(window_size=2, window_block_indexes=(1,))
+    with pytest.raises(ValueError, match="global attention"):
+        m.blocks[1].forward_first(torch.randn(1, 17, 32), 1)
+    assert m(torch.randn(1, 3, 16, 16)).shape == (1, 5)  # forward falls back to the full path
+
+
 def test_forward_intermediates():
     m = tiny(depth=4).eval()
     x = torch.randn(2, 3, 16, 12)

@@ -119,3 +119,17 @@ class Block(nn.Module):
         x = x + self.drop_path1(self.ls1(a))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, weights) if return_attention else x
+
+    def forward_first(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The block's output for the first ``n`` tokens only: ``(B, N, D) -> (B, n, D)``.
+
+        Those tokens still attend to all ``N`` (keys and values come from every token), but no
+        query, attention output, projection or MLP is computed for the other ``N - n``: equal to
+        ``forward(x)[:, :n]``. A class-token classifier needs nothing else from its last block,
+        which this makes ~80% cheaper (``ViT.forward`` uses it). Global attention only.
+        """
+        if self.attn.window_size is not None:
+            raise ValueError("forward_first needs global attention; this block uses window attention")
+        h = self.norm1(x)
+        x = x[:, :n] + self.drop_path1(self.ls1(self.attn(h[:, :n], context=h)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

@@ -5,6 +5,12 @@ Each stage is ``conv3x3 -> max-pool /2 -> BN -> GELU -> conv3x3 -> BN -> GELU``,
 head. A convolution sees only its 3x3 neighbourhood, so the view of a unit widens layer by
 layer; ``vitattn.context`` measures how far.
 
+Three details from airbench make the network take a high learning rate in a short run (the CIFAR
+presets turn them on; measured in docs/training.md): logits scaled by 1/9 (``head_scale``),
+BatchNorm learning only its shift (``bn_weight=False``), and each conv started as an identity on
+its first input channels (``dirac_init``), an implicit residual that lets the signal through
+every layer from the first step.
+
 References: Keller Jordan's airbench (``airbench94.py``), whose network this follows in shape.
 """
 

@@ -193,7 +193,19 @@ class ViT(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        """``(B, C, H, W) -> (B, num_classes)``, equal to ``forward_head(forward_features(x))``.
+
+        With a class-token head the last block's outputs for the patch tokens are never read,
+        so the last block runs for the class token alone (``Block.forward_first``): the same
+        numbers (held equal by a test, gradients included) for about 80% less work in that block,
+        e.g. ~7% of a 12-block model. Other heads take the readable path.
+        """
+        if self.global_pool != "token" or self.blocks[-1].attn.window_size is not None:
+            return self.forward_head(self.forward_features(x))
+        x, grid = self.embed(x)
+        for blk in self.blocks[:-1]:
+            x = blk(x, grid, self.num_prefix_tokens)
+        return self.forward_head(self.norm(self.blocks[-1].forward_first(x, self.num_prefix_tokens)))
 
     def forward_intermediates(
         self,
