@@ -17,7 +17,8 @@ and its share of a fp32 matmul peak measured in the same run, and the peak memor
 Cases (issue 5): (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
 (d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built
 from ``train_cifar``'s and ``vitattn.data``'s public pieces, see ``case_d``). ``--ablation`` adds
-vitattn with its attention kernel pinned, to show what the fused kernel buys.
+vitattn with one speed choice undone (the explicit attention path; the full last block instead of
+the class-token shortcut), to show what each buys.
 
 References: timm ``benchmark.py`` (interleaving, FLOP counting), airbench's timing discipline.
 """
@@ -41,11 +42,22 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 LIBS = ("vitattn", "timm", "torchvision", "vit-pytorch")
-# vitattn with its attention kernel pinned (the ``fused`` setting): not a peer, it shows what the
-# kernel choice buys, measured side by side. docs/performance.md has a run that also pinned a
-# oneDNN linear path, since removed.
-VARIANTS = {
-    "vitattn[explicit]": False,
+# vitattn with one of its speed choices undone: not a peer, it shows what each choice buys,
+# measured side by side. docs/performance.md has a run that also pinned a oneDNN linear path,
+# since removed.
+def _explicit_attention(model: nn.Module) -> None:
+    for blk in model.blocks:
+        blk.attn.fused = False
+
+
+def _full_last_block(model: nn.Module) -> None:
+    # the readable path: the last block computed for every token, then the class token read
+    model.forward = lambda x: model.forward_head(model.forward_features(x))
+
+
+VARIANTS: dict[str, Callable[[nn.Module], None]] = {
+    "vitattn[explicit]": _explicit_attention,
+    "vitattn[full last block]": _full_last_block,
 }
 
 
@@ -91,8 +103,7 @@ def build_model(lib: str, c: Case) -> nn.Module:
     hidden = int(c.dim * c.mlp_ratio)
     if lib in VARIANTS:
         model = build_model("vitattn", c)
-        for blk in model.blocks:
-            blk.attn.fused = VARIANTS[lib]
+        VARIANTS[lib](model)
         return model
     if lib == "vitattn":
         from vitattn import ViT, ViTConfig
@@ -401,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
     p.add_argument("--batch", type=int, default=None, help="override every case's batch size")
     p.add_argument("--ablation", action="store_true",
-                   help=f"also run vitattn with pinned kernel choices: {', '.join(VARIANTS)}")
+                   help=f"also run vitattn with a speed choice undone: {', '.join(VARIANTS)}")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (compiled vs compiled)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for CUDA)")
     p.add_argument("--pipeline-preset", default="vit_cifar_patch4", help="vitattn preset for case (d)")

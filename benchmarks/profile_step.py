@@ -1,0 +1,83 @@
+"""Where a training step's time goes, per library: the share of matrix products against the rest.
+
+Builds the same ViT in vitattn and timm (``bench_vit.build_model``), profiles a few training steps
+of each with ``torch.profiler`` (CPU), and sorts every top-level aten op into *GEMM* (``addmm``,
+``mm``, ``bmm``, convolution and the attention kernels) or *other* (LayerNorm, GELU, softmax, adds,
+copies, the optimiser, ...). The GEMM share bounds what any rewrite of the rest can buy: if GEMMs
+are a fraction ``g`` of the step and run at the same speed in both libraries, removing *all* the
+other work speeds the step up by at most ``1 / g``.
+
+    flock /tmp/vitattn-cpu.lock python benchmarks/profile_step.py --case cifar_train
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vit import CASES, build_model  # noqa: E402
+
+GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::convolution",
+            "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::baddbmm")
+
+
+def breakdown(model: torch.nn.Module, case, steps: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(case.batch, 3, case.img, case.img)
+    y = torch.randint(0, case.num_classes, (case.batch,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    # self time per op: each microsecond counted once, whatever op nests in which
+    totals: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        totals[ev.key] += ev.self_cpu_time_total
+    total = sum(totals.values())
+    gemm = sum(v for k, v in totals.items() if k in GEMM_OPS or "mkldnn" in k or "mkl_" in k)
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
+    return dict(step_ms=total / steps / 1e3, gemm_share=gemm / total,
+                top=[(k, round(v / steps / 1e3, 2)) for k, v in top])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", default="cifar_train", choices=sorted(CASES))
+    p.add_argument("--libs", nargs="+", default=["vitattn", "timm"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the result here")
+    a = p.parse_args()
+    case = CASES[a.case]
+    if case.mode != "train":
+        p.error(f"{a.case} is an inference case; this script profiles training steps")
+    out = {}
+    for lib in a.libs:
+        r = out[lib] = breakdown(build_model(lib, case), case, a.steps)
+        print(f"\n{lib}: {r['step_ms']:.0f} ms of op self-time per step, GEMM share {100 * r['gemm_share']:.1f}% "
+              f"(removing all other work: at most {1 / r['gemm_share']:.2f}x)")
+        for k, v in r["top"]:
+            print(f"  {v:9.2f} ms  {k}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(case=a.case, torch=torch.__version__, results=out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
