@@ -243,6 +243,29 @@ def test_cnn_interface_and_strides():
         cnn(torch.randn(2, 1, 32, 32))
 
 
+def test_cnn_airbench_options():
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    plain = SmallCNN(stem_width=8, widths=(8, 16, 16), num_classes=3)
+    scaled = SmallCNN(stem_width=8, widths=(8, 16, 16), num_classes=3, head_scale=1 / 9)
+    scaled.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(scaled(x), plain(x) / 9)
+    # shift-only BatchNorm: the scale is not trained (and stays 1 through a step)
+    m = SmallCNN(stem_width=8, widths=(8, 16, 16), num_classes=3, bn_weight=False)
+    bns = [mod for mod in m.modules() if isinstance(mod, torch.nn.BatchNorm2d)]
+    assert bns and all(not b.weight.requires_grad and b.bias.requires_grad for b in bns)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    m(x).square().sum().backward()
+    opt.step()
+    assert all(torch.equal(b.weight, torch.ones_like(b.weight)) for b in bns)
+    # identity-started convs: out-channel i of the 8 -> 16 conv starts as a copy of in-channel i
+    d = SmallCNN(stem_width=8, widths=(8, 16, 16), num_classes=3, dirac_init=True)
+    conv = d.stages[1][0][0]
+    probe = torch.randn(1, 8, 5, 5)
+    torch.testing.assert_close(conv(probe)[:, :8], probe)
+    assert conv.weight[8:].abs().sum() > 0  # the channels beyond the identity keep their random init
+
+
 def test_cifar_presets_are_matched_in_size():
     vit = sum(p.numel() for p in create_model("vit_cifar_patch4").parameters())
     cnn = sum(p.numel() for p in create_model("cnn_cifar").parameters())
