@@ -248,8 +248,8 @@ def run_case(c: Case, args, device: torch.device, peak_gflops: float) -> list[di
     x = torch.randn(c.batch, 3, c.img, c.img, device=device)
     y = torch.randint(0, c.num_classes, (c.batch,), device=device)
     libs = [lib for lib in c.libs if lib in args.libs]
-    if args.ablation and not args.compile and "vitattn" in libs:
-        libs[1:1] = list(VARIANTS)
+    if args.ablation is not None and not args.compile and "vitattn" in libs:
+        libs[1:1] = args.ablation or list(VARIANTS)
     runners = [make_runner(lib, c, x, y, device, args.compile, args.amp) for lib in libs]
     for r in runners:  # warm up (and compile) before any timing
         for _ in range(args.warmup):
@@ -411,8 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iters", type=int, default=2, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
     p.add_argument("--batch", type=int, default=None, help="override every case's batch size")
-    p.add_argument("--ablation", action="store_true",
-                   help=f"also run vitattn with a speed choice undone: {', '.join(VARIANTS)}")
+    p.add_argument("--ablation", nargs="*", default=None, choices=list(VARIANTS), metavar="VARIANT",
+                   help=f"also run vitattn with a speed choice undone (all when no name is given): "
+                        f"{', '.join(VARIANTS)}")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (compiled vs compiled)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for CUDA)")
     p.add_argument("--pipeline-preset", default="vit_cifar_patch4", help="vitattn preset for case (d)")
