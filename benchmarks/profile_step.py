@@ -30,7 +30,7 @@ GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linea
             "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::baddbmm")
 
 
-def breakdown(model: torch.nn.Module, case, steps: int) -> dict:
+def make_step(model: torch.nn.Module, case):
     torch.manual_seed(0)
     x = torch.randn(case.batch, 3, case.img, case.img)
     y = torch.randint(0, case.num_classes, (case.batch,))
@@ -42,8 +42,10 @@ def breakdown(model: torch.nn.Module, case, steps: int) -> dict:
         loss.backward()
         opt.step()
 
-    for _ in range(2):
-        step()
+    return step
+
+
+def breakdown(step, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -62,17 +64,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", default="cifar_train", choices=sorted(CASES))
     p.add_argument("--libs", nargs="+", default=["vitattn", "timm"])
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="profiled steps per round")
     p.add_argument("--json", default=None, help="write the result here")
     a = p.parse_args()
     case = CASES[a.case]
     if case.mode != "train":
         p.error(f"{a.case} is an inference case; this script profiles training steps")
+    steps = {lib: make_step(build_model(lib, case), case) for lib in a.libs}
+    for _ in range(2):  # warm every model first (allocator, caches), alternating
+        for step in steps.values():
+            step()
     out = {}
-    for lib in a.libs:
-        r = out[lib] = breakdown(build_model(lib, case), case, a.steps)
-        print(f"\n{lib}: {r['step_ms']:.0f} ms of op self-time per step, GEMM share {100 * r['gemm_share']:.1f}% "
-              f"(removing all other work: at most {1 / r['gemm_share']:.2f}x)")
+    for _ in range(2):  # profile in turn, twice; keep each library's faster round
+        for lib, step in steps.items():
+            r = breakdown(step, a.steps)
+            if lib not in out or r["step_ms"] < out[lib]["step_ms"]:
+                out[lib] = r
+    for lib, r in out.items():
+        print(f"\n{lib}: {r['step_ms']:.0f} ms of op self-time per step (faster of two rounds), GEMM share "
+              f"{100 * r['gemm_share']:.1f}% (removing all other work: at most {1 / r['gemm_share']:.2f}x)")
         for k, v in r["top"]:
             print(f"  {v:9.2f} ms  {k}")
     if a.json:
