@@ -261,3 +261,10 @@ def test_configs_round_trip_through_json(tmp_path, folder):
     cfg = tiny(tmp_path, folder, time_budget=0.5, bf16=True)
     assert T.Config(**json.loads(json.dumps(T.dataclasses.asdict(cfg)))) == cfg
     assert replace(cfg, model="vit").models() == ["vit"]
+
+
+def test_long_range_recipe_takes_small_batches_and_overrides_still_win():
+    cnn = T.Config(dataset="long-range").recipe("cnn")
+    assert (cnn.batch_size, cnn.lr) == (64, 0.1)
+    assert T.Config(dataset="long-range", batch_size=128).recipe("cnn").batch_size == 128
+    assert T.Config().recipe("cnn").batch_size == T.RECIPES["cnn"].batch_size  # CIFAR-10 unchanged
