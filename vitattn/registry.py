@@ -39,11 +39,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                      mlp_ratio=2.0, num_classes=10),
                          "vitattn: 16x16 tokens, finer patches at 4x the attention cost"),
     # The CNN baseline, with airbench's training-friendly details: a 1/9 head scale, BatchNorm
-    # shifts only, identity-started convs (measured in docs/training.md, tuning runs cnn3-cnn5).
+    # shifts only, identity-started convs (measured in docs/training.md, tuning runs cnn3-cnn6).
     "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, **_AIRBENCH),
                   "airbench94's network shape (Jordan 2024), ~2M params"),
     "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params, 1.5x the images/s on a CPU"),
+                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params, 56% of its FLOPs"),
     "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
                         "vitattn: a quarter-width cnn_cifar for quick runs"),
 }
