@@ -1,11 +1,12 @@
 """Where a training step's time goes, per library: the share of matrix products against the rest.
 
-Builds the same ViT in vitattn and timm (``bench_vit.build_model``), profiles a few training steps
-of each with ``torch.profiler`` (CPU), and sorts every top-level aten op into *GEMM* (``addmm``,
-``mm``, ``bmm``, convolution and the attention kernels) or *other* (LayerNorm, GELU, softmax, adds,
-copies, the optimiser, ...). The GEMM share bounds what any rewrite of the rest can buy: if GEMMs
-are a fraction ``g`` of the step and run at the same speed in both libraries, removing *all* the
-other work speeds the step up by at most ``1 / g``.
+Builds the same ViT in vitattn and timm with the benchmark's own training step for each
+(``bench_vit.make_runner``: forward, cross-entropy, backward, AdamW), profiles a few steps of
+each with ``torch.profiler`` (CPU), and sorts every aten op's self time into *GEMM* (``addmm``,
+``mm``, ``bmm``, convolution and the attention kernels) or *other* (LayerNorm, GELU, softmax,
+adds, copies, the optimiser, ...). The GEMM share bounds what any rewrite of the rest can buy:
+if GEMMs are a fraction ``g`` of the step and run at the same speed in both libraries, removing
+*all* the other work speeds the step up by at most ``1 / g``.
 
     flock /tmp/vitattn-cpu.lock python benchmarks/profile_step.py --case cifar_train
 """
@@ -19,30 +20,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vit import CASES, build_model  # noqa: E402
+from bench_vit import CASES, make_runner  # noqa: E402
 
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::convolution",
             "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
             "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::baddbmm")
-
-
-def make_step(model: torch.nn.Module, case):
-    torch.manual_seed(0)
-    x = torch.randn(case.batch, 3, case.img, case.img)
-    y = torch.randint(0, case.num_classes, (case.batch,))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    return step
 
 
 def breakdown(step, steps: int) -> dict:
@@ -70,7 +55,11 @@ def main() -> None:
     case = CASES[a.case]
     if case.mode != "train":
         p.error(f"{a.case} is an inference case; this script profiles training steps")
-    steps = {lib: make_step(build_model(lib, case), case) for lib in a.libs}
+    torch.manual_seed(0)
+    x = torch.randn(case.batch, 3, case.img, case.img)
+    y = torch.randint(0, case.num_classes, (case.batch,))
+    cpu = torch.device("cpu")
+    steps = {lib: make_runner(lib, case, x, y, cpu, compile_=False, amp=False).step for lib in a.libs}
     for _ in range(2):  # warm every model first (allocator, caches), alternating
         for step in steps.values():
             step()
