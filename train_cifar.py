@@ -431,6 +431,8 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
     data = ds.data
     wall0 = time.perf_counter()
     model = build_model(family, cfg, len(data.classes)).to(dev)
+    if hasattr(model, "init_stem"):  # a whitening stem is set from the first 5,000 training images
+        model.init_stem(Normalize(ds.mean, ds.std)(data.train_x[:5000]).to(dev))
     cl = family == "cnn" and cfg.channels_last
     if cl:
         model = model.to(memory_format=torch.channels_last)

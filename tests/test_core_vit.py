@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vitattn
-from vitattn import SmallCNN, ViT, ViTConfig, create_model, list_models
+from vitattn import CNNConfig, SmallCNN, ViT, ViTConfig, create_model, list_models, whitening_filters
 
 TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 
@@ -264,6 +264,44 @@ def test_cnn_airbench_options():
     probe = torch.randn(1, 8, 5, 5)
     torch.testing.assert_close(conv(probe)[:, :8], probe)
     assert conv.weight[8:].abs().sum() > 0  # the channels beyond the identity keep their random init
+
+
+def test_whitening_filters_decorrelate_patches():
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, 12, 12)
+    x = x + 0.8 * torch.roll(x, 1, dims=2) + 0.5 * x.mean(1, keepdim=True)  # correlated pixels and channels
+    f = whitening_filters(x, eps=1e-6)
+    assert f.shape == (24, 3, 2, 2)
+    torch.testing.assert_close(f[12:], -f[:12])  # each direction and its negative
+    z = torch.nn.functional.conv2d(x.double(), f[:12].double())
+    z = z.transpose(0, 1).reshape(12, -1)
+    torch.testing.assert_close(z @ z.T / z.shape[1], torch.eye(12, dtype=torch.float64), atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match=r"expected images \(B, C, H, W\)"):
+        whitening_filters(torch.randn(3, 12, 12))
+
+
+def test_cnn_whitening_stem():
+    with pytest.raises(ValueError, match="stem must be 'conv' or 'whiten'"):
+        CNNConfig(stem="patch")
+    with pytest.raises(ValueError, match="24 channels.*got stem_width=32"):
+        CNNConfig(stem="whiten", stem_width=32)
+    torch.manual_seed(0)
+    m = SmallCNN(stem="whiten", stem_width=24, widths=(8, 16, 16), num_classes=3)
+    x = torch.randn(6, 3, 32, 32)
+    m.init_stem(x)
+    conv = m.stem[0]
+    torch.testing.assert_close(conv.weight, whitening_filters(x))
+    assert not conv.weight.requires_grad and conv.bias.requires_grad and not conv.bias.any()
+    # no padding: 32 -> 31, then 15, 7, 3 after the stages' pools
+    assert [t.shape[-1] for t in m.forward_intermediates(x, intermediates_only=True)] == [15, 7, 3]
+    m(x).square().sum().backward()
+    assert conv.weight.grad is None and conv.bias.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"expected images \(B, 3, H, W\), got \(6, 1, 32, 32\)"):
+        m.init_stem(torch.randn(6, 1, 32, 32))
+    plain = SmallCNN(widths=(8, 16, 16))
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    plain.init_stem(x)  # a 3x3 conv stem is left as it is
+    assert all(torch.equal(before[k], v) for k, v in plain.state_dict().items())
 
 
 def test_cifar_presets_are_matched_in_size():

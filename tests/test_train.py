@@ -143,6 +143,20 @@ def test_the_other_layouts_train(tmp_path, layout):
     assert s["status"] == "ok" and len(rows) == 3 and rows[-1]["train_loss"] < rows[0]["train_loss"]
 
 
+def test_a_whitening_stem_is_set_from_the_training_images(tmp_path, folder):
+    import vitattn
+
+    cfg = tiny(tmp_path, folder, cnn_preset="cnn_cifar_whiten", epochs=2)
+    s = T.main(cfg)
+    rows = metrics(s["out"])
+    assert s["status"] == "ok" and rows[-1]["train_loss"] < rows[0]["train_loss"]
+    ds = T.load_dataset(cfg)
+    want = vitattn.whitening_filters(T.Normalize(ds.mean, ds.std)(ds.data.train_x[:5000]))
+    ck = torch.load(Path(s["out"]) / "checkpoints" / "cnn.pt", weights_only=True)
+    torch.testing.assert_close(ck["model"]["stem.0.weight"], want)  # set from data, then frozen
+    assert ck["model"]["stem.0.bias"].abs().sum() > 0  # the bias learns
+
+
 def test_long_range_reports_accuracy_against_distance(tmp_path):
     s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_train=96, long_range_test=64, epochs=1,
                     model="both", vit_preset="vit_cifar_small_patch4"))

@@ -9,7 +9,7 @@
 from . import context, longrange  # global-context measures and the long-range task (torch only)
 from .attention import SCORES, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
-from .cnn import CNNConfig, SmallCNN
+from .cnn import CNNConfig, SmallCNN, whitening_filters
 from .patch_embed import PatchEmbed, patchify, unpatchify
 from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
 from .registry import PRESETS, create_model, get_config, list_models
@@ -22,5 +22,5 @@ __all__ = [
     "SCORES", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
     "patchify", "resample_abs_pos_embed", "sincos_1d", "sincos_2d", "to_timm", "to_timm_state_dict",
-    "unpatchify", "window_mask", "context", "longrange",
+    "unpatchify", "whitening_filters", "window_mask", "context", "longrange",
 ]
