@@ -131,7 +131,7 @@ class Config:
     compile: bool = False  # torch.compile the model
     device: str = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
     channels_last: bool = True  # NHWC memory layout for the CNN (faster convolutions)
-    tta: bool = True  # also report test accuracy averaged over the image and its mirror
+    tta: bool = True  # also report final test accuracy over mirrored (and 1-px shifted) views
     eval_batch_size: int = 500  # images per evaluation batch
     # -- outputs
     out: str | None = None  # run folder; None = runs/<timestamp>
@@ -599,7 +599,7 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
                   batch_per_rank=per_rank_batch, world_size=dd.world, pipeline=pipeline,
                   wall_seconds=time.perf_counter() - wall0)
     if "acc_tta" in final:
-        result["final_acc_tta"] = final["acc_tta"]
+        result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if "by_distance" in final:
         result["accuracy_by_distance"] = final["by_distance"]
     if dd.main:
@@ -657,12 +657,15 @@ def _save_safetensors(model: nn.Module, path: Path) -> None:
 def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: Config,
              dev: torch.device, dd: Dist, channels_last: bool = False, tta: bool = False,
              distance: torch.Tensor | None = None) -> dict:
-    """Test loss and accuracy (ranks split the images and sum); with ``tta`` also the accuracy
-    of logits averaged over each image and its mirror; with ``distance`` the accuracy per bin."""
+    """Test loss and accuracy (ranks split the images and sum); with ``distance`` the accuracy
+    per bin. With ``tta`` also two test-time-augmented accuracies: ``acc_tta`` averages the
+    softmax over each image and its mirror; ``acc_tta_shift`` is airbench's six views (its
+    ``tta_level=2``): half weight on that pair, half on the image shifted one pixel up-left and
+    down-right (reflect padding), each with its mirror."""
     was_training = model.training
     model.eval()
     idx = torch.arange(dd.rank, len(x), dd.world)
-    loss_sum, correct, correct_tta = 0.0, 0, 0
+    loss_sum, correct, correct_tta, correct_shift = 0.0, 0, 0, 0
     hits = torch.zeros(len(x), dtype=torch.bool)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
     for j in idx.split(cfg.eval_batch_size):
@@ -678,18 +681,23 @@ def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor
         hits[j] = ok.cpu()
         if tta:
             with amp:
-                both = logits.softmax(1) + model(xb.flip(3)).float().softmax(1)
-            correct_tta += int((both.argmax(1) == yb).sum())
+                pair = (logits.softmax(1) + model(xb.flip(3)).float().softmax(1)) / 2
+                padded = F.pad(xb, (1, 1, 1, 1), mode="reflect")
+                shifted = torch.cat([padded[..., :-2, :-2], padded[..., 2:, 2:]])
+                shifted = torch.cat([shifted, shifted.flip(3)])
+                probs = model(shifted).float().softmax(1).view(4, len(xb), -1).mean(0)
+            correct_tta += int((pair.argmax(1) == yb).sum())
+            correct_shift += int(((pair + probs).argmax(1) == yb).sum())
     model.train(was_training)
-    t = torch.tensor([loss_sum, correct, correct_tta, len(idx)], dtype=torch.float64)
+    t = torch.tensor([loss_sum, correct, correct_tta, correct_shift, len(idx)], dtype=torch.float64)
     if dd.world > 1:
         dist.all_reduce(t)
         hits_i = hits.to(torch.int32)
         dist.all_reduce(hits_i)
         hits = hits_i.bool()
-    out = {"loss": float(t[0] / t[3]), "acc": float(t[1] / t[3])}
+    out = {"loss": float(t[0] / t[4]), "acc": float(t[1] / t[4])}
     if tta:
-        out["acc_tta"] = float(t[2] / t[3])
+        out["acc_tta"], out["acc_tta_shift"] = float(t[2] / t[4]), float(t[3] / t[4])
     if distance is not None:
         from vitattn.longrange import accuracy_by_distance
 
@@ -913,7 +921,8 @@ def write_report(out: Path, cfg: Config, summary: dict, context: dict, figs: lis
              "| final test acc | best test acc |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for fam, r in res.items():
-        tta = f" (flip-TTA {r['final_acc_tta']:.4f})" if "final_acc_tta" in r else ""
+        tta = (f" (flip-TTA {r['final_acc_tta']:.4f}, 6-view TTA {r['final_acc_tta_shift']:.4f})"
+               if "final_acc_tta" in r else "")
         lines.append(f"| {NAMES[fam]} | {r['preset']} | {r['params'] / 1e6:.3f} M | {r['flops_per_image'] / 1e6:.1f} "
                      f"| {r['epochs']:.2f} | {r['steps']} | {r['train_seconds'] / 60:.1f} | {r['images_per_s']:.0f} "
                      f"| {100 * r['data_share']:.1f}% | {r['final_acc']:.4f}{tta} | {r['best_acc']:.4f} |")

@@ -16,6 +16,10 @@ CASES = {
                                       qk_norm=True, dynamic_img_size=True, num_classes=3),
     "cls_avg_pool": dict(img_size=24, patch_size=6, embed_dim=32, depth=1, num_heads=1, global_pool="avg",
                          num_classes=4),
+    "max_no_cls": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, class_token=False,
+                       global_pool="max", num_classes=3),
+    "cls_avgmax_pool": dict(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, global_pool="avgmax",
+                            num_classes=3),
     "no_head": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=0),
 }
 

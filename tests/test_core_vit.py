@@ -24,7 +24,7 @@ def test_readme_example():
 
 
 @pytest.mark.parametrize("pos_embed", ["learn", "sincos1d", "sincos2d", "none"])
-@pytest.mark.parametrize("pool", ["token", "avg"])
+@pytest.mark.parametrize("pool", ["token", "avg", "max", "avgmax"])
 def test_every_parameter_gets_a_gradient(pos_embed, pool):
     m = tiny(pos_embed=pos_embed, global_pool=pool, class_token=pool == "token", init_values=0.1, qk_norm=True)
     out = m(torch.randn(2, 3, 16, 16))

@@ -79,6 +79,35 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
 
 
+def test_test_time_augmentation_views_and_weights():
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (40, 3, 8, 8), dtype=torch.uint8)
+    y = torch.randint(0, 4, (40,))
+    norm = T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    cfg = T.Config(eval_batch_size=16)
+    # a model that ignores its input: every kind of averaging gives the plain accuracy
+    const = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4))
+    with torch.no_grad():
+        const[1].weight.zero_()
+    r = T.evaluate(const, norm, x, y, cfg, torch.device("cpu"), T.Dist(), tta=True)
+    assert r["acc"] == r["acc_tta"] == r["acc_tta_shift"]
+    # a model that reads every pixel: the counts match the views written out by hand
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4)).eval()
+    r = T.evaluate(model, norm, x, y, cfg, torch.device("cpu"), T.Dist(), tta=True)
+    with torch.no_grad():
+        xb = norm(x)
+        prob = lambda v: model(v).softmax(1)  # noqa: E731
+        pad = torch.nn.functional.pad(xb, (1, 1, 1, 1), mode="reflect")
+        up_left, down_right = pad[..., :8, :8], pad[..., 2:, 2:]
+        pair = (prob(xb) + prob(xb.flip(3))) / 2
+        four = (prob(up_left) + prob(up_left.flip(3)) + prob(down_right) + prob(down_right.flip(3))) / 4
+    assert r["acc"] == pytest.approx(float((model(xb).argmax(1) == y).float().mean()))
+    assert r["acc_tta"] == pytest.approx(float((pair.argmax(1) == y).float().mean()))
+    assert r["acc_tta_shift"] == pytest.approx(float(((pair + four).argmax(1) == y).float().mean()))
+    assert len({r["acc"], r["acc_tta"], r["acc_tta_shift"]}) > 1  # the views do differ here
+
+
 def test_flops_per_image_counts_every_matrix_product():
     import vitattn
 

@@ -43,7 +43,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
 
     check(getattr(model, "num_reg_tokens", 0) > 0, f"reg_tokens={model.num_reg_tokens}")
     check(getattr(model, "no_embed_class", False), "no_embed_class=True")
-    check(model.global_pool not in ("token", "avg", ""), f"global_pool={model.global_pool!r}")
+    check(model.global_pool not in ("token", "avg", "avgmax", "max", ""), f"global_pool={model.global_pool!r}")
     check(getattr(model, "attn_pool", None) is not None, "attention pooling ('map')")
     check(not isinstance(model.norm_pre, nn.Identity), "pre_norm=True")
     check(not isinstance(model.patch_embed.norm, nn.Identity), "patch embedding norm")

@@ -29,7 +29,7 @@ from .patch_embed import PatchEmbed, to_2tuple
 from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
-GLOBAL_POOLS = ("token", "avg", "")
+GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ViTConfig:
     patch_size: int | tuple[int, int] = 16  # patch height and width in pixels
     in_chans: int = 3  # image channels
     num_classes: int = 1000  # classifier outputs; 0 for no head (features only)
-    global_pool: str = "token"  # 'token' (class token), 'avg' (mean of patch tokens) or ''
+    global_pool: str = "token"  # 'token' (class token), 'avg' / 'max' / 'avgmax' over patch tokens, or ''
     embed_dim: int = 768  # token width D
     depth: int = 12  # number of blocks
     num_heads: int = 12  # attention heads per block
@@ -92,7 +92,7 @@ class ViT(nn.Module):
         self.embed_dim = self.num_features = c.embed_dim
         self.num_prefix_tokens = 1 if c.class_token else 0
         self.dynamic_img_size = c.dynamic_img_size
-        use_fc_norm = c.global_pool == "avg" if c.fc_norm is None else c.fc_norm
+        use_fc_norm = c.global_pool in ("avg", "avgmax", "max") if c.fc_norm is None else c.fc_norm
 
         self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
                                       dynamic_img_pad=c.dynamic_img_pad)
@@ -180,11 +180,17 @@ class ViT(nn.Module):
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, P + N, D) -> (B, D)``: the class token or the mean of the patch tokens."""
+        """``(B, P + N, D) -> (B, D)``: the class token, or the mean / max / (mean + max) / 2 of
+        the patch tokens (timm's 'avg', 'max', 'avgmax'); ``''`` returns every token."""
         if self.global_pool == "token":
             return x[:, 0]
+        patches = x[:, self.num_prefix_tokens:]
         if self.global_pool == "avg":
-            return x[:, self.num_prefix_tokens:].mean(dim=1)
+            return patches.mean(dim=1)
+        if self.global_pool == "max":
+            return patches.amax(dim=1)
+        if self.global_pool == "avgmax":
+            return 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
