@@ -29,6 +29,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "vit_cifar_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
                                      mlp_ratio=2.0, num_classes=10),
                          "vitattn: 8x8 tokens, ~1.8M params, sized like cnn_cifar"),
+    "vit_cifar_patch4_maxpool": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
+                                             mlp_ratio=2.0, num_classes=10, class_token=False, global_pool="max"),
+                                 "vitattn: vit_cifar_patch4 read out by a max over patch tokens (as the CNN is), "
+                                 "no class token"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                            mlp_ratio=2.0, num_classes=10),
                                "vitattn: vit_cifar_patch4 at width 128, ~0.8M params, ~1.8x the images/s on a CPU"),
