@@ -432,8 +432,9 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
     data = ds.data
     wall0 = time.perf_counter()
     model = build_model(family, cfg, len(data.classes)).to(dev)
+    norm = Normalize(ds.mean, ds.std).to(dev)
     if hasattr(model, "init_stem"):  # a whitening stem is set from the first 5,000 training images
-        model.init_stem(Normalize(ds.mean, ds.std)(data.train_x[:5000]).to(dev))
+        model.init_stem(norm(data.train_x[:5000].to(dev)))
     cl = family == "cnn" and cfg.channels_last
     if cl:
         model = model.to(memory_format=torch.channels_last)
@@ -473,7 +474,6 @@ def train_model(family: str, cfg: Config, ds: Dataset, out: Path, dev: torch.dev
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
     total_steps = math.ceil(epochs * steps_per_epoch) if epochs is not None else None
     budget_s = cfg.time_budget * 60 if cfg.time_budget else None
-    norm = Normalize(ds.mean, ds.std).to(dev)
     net = model
     if cfg.compile:
         net = torch.compile(net)
