@@ -287,28 +287,27 @@ def case_d(args, device: torch.device) -> list[dict]:
     normalisation, forward, label-smoothed cross-entropy, backward, gradient clipping, AdamW with
     the ViT recipe) against the model-only step on a ready float batch, interleaved, vitattn only.
 
-    Uses ``train_cifar``'s public pieces (``RECIPES``, ``build_optimizer``, ``Normalize``) and
-    ``vitattn.data``'s ``BatchLoader`` / ``Augment``; the images are random uint8 (augmentation
-    cost does not depend on content)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import train_cifar as tc
+    Uses the pieces ``train_cifar.py`` is built from (``vitattn.train``'s ``RECIPES`` and
+    ``build_optimizer``, ``vitattn.data``'s ``BatchLoader``, ``Augment`` and ``Normalize``); the
+    images are random uint8 (augmentation cost does not depend on content)."""
     import vitattn
-    from vitattn.data import Augment, BatchLoader
+    from vitattn.data import Augment, BatchLoader, Normalize
+    from vitattn.train import RECIPES, build_optimizer
 
     preset = args.pipeline_preset
-    r = tc.RECIPES["vit"]
+    r = RECIPES["vit"]
     batch = args.batch or r.batch_size
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (max(8 * batch, 2048), 3, 32, 32), dtype=torch.uint8, generator=gen)
     labels = torch.randint(0, 10, (len(images),), generator=gen)
     loader = BatchLoader(images, labels, batch, shuffle=True, drop_last=True,
                          augment=Augment(translate=r.translate, flip=True, cutout=r.cutout), seed=0)
-    norm = tc.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)).to(device)
+    norm = Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)).to(device)
 
     def make(full: bool) -> Runner:
         torch.manual_seed(0)
         model = vitattn.create_model(preset, num_classes=10).to(device).train()
-        opt = tc.build_optimizer(model, r)
+        opt = build_optimizer(model, r)
         fwd = torch.compile(model) if args.compile else model
         x_ready = norm(images[:batch].to(device))
         y_ready = labels[:batch].to(device)

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_vit import CASES, make_runner  # the sibling script (python puts its folder on sys.path)
 from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vit import CASES, make_runner  # noqa: E402
 
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::convolution",
             "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",

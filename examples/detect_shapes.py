@@ -1,9 +1,9 @@
 """Detect shapes on texture: a ViTDet backbone against a ResNet-18 one, same detector, same budget.
 
 The data set is drawn on the fly, so nothing is downloaded: each 128x128 image is a textured
-background (random gratings, colour and noise) with 2-5 filled shapes of 4 classes (circle,
-square, triangle, cross), 12-40 px, overlapping little. The training stream never repeats; the
-held-out split is a fixed set of images from another seed.
+background (`vitattn.longrange.textured_background`: colour blobs, stripes and noise) with 2-5
+filled shapes of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little.
+The training stream never repeats; the held-out split is a fixed set of images from another seed.
 
 Both backbones feed the same torchvision detector (FCOS by default, or Faster R-CNN) built by
 ``vitattn.detection.build_detector`` with the same pyramid strides (4, 8, 16, 32), width, anchors
@@ -28,17 +28,18 @@ import argparse
 import functools
 import io
 import json
-import math
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torchvision.ops import box_iou
 
 import vitattn
 from vitattn.detection import ViTDetBackbone, build_detector, coco_map
+from vitattn.longrange import textured_background
+from vitattn.train import count_params, environment, get_lr, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = ("circle", "square", "triangle", "cross")  # labels 1..4; 0 is the background
@@ -96,20 +97,9 @@ def shape_mask(kind: int, cy: float, cx: float, r: float, size: int) -> torch.Te
     return ((dy.abs() <= r) & (dx.abs() <= bar)) | ((dx.abs() <= r) & (dy.abs() <= bar))
 
 
-def texture(g: torch.Generator, size: int) -> torch.Tensor:
-    """``(3, size, size)`` background: a random colour, three oriented gratings and noise."""
-    yy, xx = pixel_grid(size)
-    img = torch.rand(3, 1, 1, generator=g) * 0.6 + 0.2
-    for _ in range(3):
-        theta, freq, phase = torch.rand(3, generator=g) * torch.tensor([math.pi, 0.25, 2 * math.pi])
-        wave = torch.sin(freq * (xx * theta.cos() + yy * theta.sin()) + phase)
-        img = img + 0.12 * wave * (torch.rand(3, 1, 1, generator=g) - 0.5) * 2
-    return img + 0.05 * torch.randn(3, size, size, generator=g)
-
-
 def make_image(g: torch.Generator, c: Config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One image and its target ``{'boxes' (n, 4) x1 y1 x2 y2, 'labels' (n,)}``."""
-    img = texture(g, c.img_size)
+    img = textured_background(1, c.img_size, g)[0] / 255
     n = int(torch.randint(c.min_objects, c.max_objects + 1, (1,), generator=g))
     boxes, labels = [], []
     for _ in range(20 * n):  # rejection sampling of places that overlap little
@@ -121,7 +111,7 @@ def make_image(g: torch.Generator, c: Config) -> tuple[torch.Tensor, dict[str, t
         mask = shape_mask(kind, cy, cx, side / 2, c.img_size)
         ys, xs = mask.nonzero(as_tuple=True)
         box = torch.tensor([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], dtype=torch.float32)
-        if boxes and vitattn.detection.box_iou(box[None], torch.stack(boxes)).max() > 0.1:
+        if boxes and box_iou(box[None], torch.stack(boxes)).max() > 0.1:
             continue
         colour = torch.rand(3, 1, generator=g)
         img[:, mask] = colour + 0.05 * torch.randn(3, int(mask.sum()), generator=g)
@@ -176,27 +166,16 @@ def make_detector(backbone: nn.Module, c: Config) -> nn.Module:
 
 
 # -- training ---------------------------------------------------------------------------------
-def lr_at(progress: float, c: Config) -> float:
-    """Linear warm-up, then cosine to zero, over the fraction of the time budget spent."""
-    if progress < c.warmup_frac:
-        return c.lr * progress / c.warmup_frac
-    t = min(1.0, (progress - c.warmup_frac) / (1 - c.warmup_frac))
-    return c.lr * 0.5 * (1 + math.cos(math.pi * t))
-
-
 def train(model: nn.Module, c: Config, log_every: int = 25) -> dict:
     g = torch.Generator().manual_seed(c.seed + 1)  # the same training stream for every backbone
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and "pos_embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+    opt = torch.optim.AdamW(param_groups(model, c.weight_decay), lr=c.lr)
     model.train()
     history, steps, spent = [], 0, 0.0
     while spent < c.budget_s:
         images, targets = make_batch(g, c, c.batch_size)  # outside the budget, as a loader would overlap it
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr_at(spent / c.budget_s, c)
+            group["lr"] = get_lr(spent / c.budget_s, c.lr, c.warmup_frac, "cosine")
         losses = model(images, targets)
         loss = sum(losses.values())
         opt.zero_grad(set_to_none=True)
@@ -270,15 +249,13 @@ def save_small_png(src, path: Path, colours: int = 128) -> None:
 
 # -- main -------------------------------------------------------------------------------------
 def main(c: Config, figure_path: Path | None = None, results_path: Path | None = None) -> dict:
-    import torchvision
-
     torch.set_num_threads(c.threads)
     val = make_batch(torch.Generator().manual_seed(c.seed + 1000), c, c.val_images)
     results, preds_by_name = {}, {}
     for name in c.backbones:
         torch.manual_seed(c.seed)
         model = make_detector(make_backbone(name, c), c)
-        params = sum(p.numel() for p in model.backbone.parameters())
+        params = count_params(model.backbone)
         print(f"{name}: {c.detector}, backbone {params / 1e6:.2f}M parameters, budget {c.budget_s:.0f}s", flush=True)
         t0 = time.perf_counter()
         stats = train(model, c)
@@ -293,9 +270,7 @@ def main(c: Config, figure_path: Path | None = None, results_path: Path | None =
         preds_by_name[name] = preds
     report = {
         "config": asdict(c), "results": results,
-        "env": {"torch": torch.__version__, "torchvision": torchvision.__version__, "vitattn": vitattn.__version__,
-                "python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
-                "threads": torch.get_num_threads()},
+        "env": environment(torch.device("cpu")),
     }
     if figure_path is not None:
         figure(val, preds_by_name, figure_path)

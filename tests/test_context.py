@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -248,20 +246,3 @@ def test_accuracy_by_distance_bins():
     out = accuracy_by_distance(correct, dist, edges=(0, 10, 25, 40))
     assert out["count"] == [2, 1, 1] and out["accuracy"] == [0.5, 1.0, 1.0]
 
-
-def test_long_range_pooling_example_runs(capsys):
-    """examples/long_range_pooling.py (read-out against learning on the long-range task) runs."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "long_range_pooling.py"
-    spec = importlib.util.spec_from_file_location("long_range_pooling", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    hist = mod.main(["--steps", "3", "--every", "2", "--train", "64", "--test", "32", "--dim", "32", "--depth", "1"])
-    assert list(hist) == ["vit-token", "vit-max", "cnn"]
-    assert all([r["step"] for r in rows] == [2, 3] for rows in hist.values())
-    assert all(math.isfinite(r["train_loss"]) and 0 <= r["test_acc"] <= 1 for rows in hist.values() for r in rows)
-    assert "vit-max:" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="unknown model 'mlp'"):
-        mod.build("mlp", 32, 1, 2)

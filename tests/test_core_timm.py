@@ -113,3 +113,34 @@ def test_unsupported_options_are_named():
         vitattn.from_timm(t)
     with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
         vitattn.from_timm(torch.nn.Linear(2, 2))
+
+
+REGULARISED = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5, drop_rate=0.1,
+                   pos_drop_rate=0.05, proj_drop_rate=0.15, attn_drop_rate=0.2, drop_path_rate=0.3,
+                   dynamic_img_pad=True, dynamic_img_size=True)
+
+
+def test_regularised_vit_carries_every_shared_option_both_ways():
+    """Dropout rates, drop path and dynamic_img_pad survive to_timm and from_timm: the two
+    models' options agree, and in eval mode (dropout off) their outputs, also on a padded size."""
+    torch.manual_seed(0)
+    v = vitattn.ViT(vitattn.ViTConfig(**REGULARISED)).eval()
+    t = vitattn.to_timm(v).eval()
+    assert t.head_drop.p == 0.1 and t.pos_drop.p == 0.05
+    assert t.blocks[0].attn.attn_drop.p == 0.2 and t.blocks[0].attn.proj_drop.p == 0.15
+    assert t.blocks[0].mlp.drop1.p == 0.15
+    assert [b.drop_path1.drop_prob if hasattr(b.drop_path1, "drop_prob") else 0.0 for b in t.blocks] == \
+        pytest.approx([0.0, 0.15, 0.3])
+    assert t.patch_embed.dynamic_img_pad
+    back = vitattn.from_timm(t)
+    for name in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
+        assert getattr(back.config, name) == pytest.approx(REGULARISED[name]), name
+    assert back.config.dynamic_img_pad and back.config.depth == 3
+    x = torch.randn(2, 3, 30, 29)  # not a multiple of the patch: both pad to 32x32
+    with torch.no_grad():
+        torch.testing.assert_close(v(x), t(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(back.eval()(x), t(x), atol=1e-5, rtol=1e-5)
+    # in training mode the same rates act: outputs vary from call to call on both sides
+    v.train()
+    with torch.no_grad():
+        assert not torch.equal(v(x), v(x))

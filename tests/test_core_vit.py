@@ -14,15 +14,6 @@ def tiny(**kw):
     return ViT(**{**TINY, **kw})
 
 
-def test_readme_example():
-    model = vitattn.create_model("vit_tiny_patch16_224", num_classes=10).eval()
-    images = torch.randn(2, 3, 224, 224)
-    logits = model(images)
-    maps = model.get_attention_maps(images)
-    assert logits.shape == (2, 10)
-    assert len(maps) == 12 and all(m.shape == (2, 3, 197, 197) for m in maps)
-
-
 @pytest.mark.parametrize("pos_embed", ["learn", "sincos1d", "sincos2d", "none"])
 @pytest.mark.parametrize("pool", ["token", "avg", "max", "avgmax"])
 def test_every_parameter_gets_a_gradient(pos_embed, pool):

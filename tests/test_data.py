@@ -211,7 +211,7 @@ def test_normalize_matches_the_formula():
     x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
     mean, std = (0.1, 0.2, 0.3), (0.5, 0.25, 0.2)
     want = (x.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    torch.testing.assert_close(D.normalize(x, mean, std), want)
+    torch.testing.assert_close(D.Normalize(mean, std)(x), want)
 
 
 # -- batches ---------------------------------------------------------------------------------

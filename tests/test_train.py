@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,15 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data import write_batches, write_folder, write_tar
+
+import train_cifar as T
+from vitattn.data import DataError, Normalize
+from vitattn.train import RECIPES, Dist, evaluate, flops_per_image, get_lr, param_groups, save_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_data import write_batches, write_folder, write_tar  # noqa: E402
-
-import train_cifar as T  # noqa: E402
-from vitattn.data import DataError  # noqa: E402
 
 SCORE_KEYS = ("model", "epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr")
 
@@ -61,18 +60,18 @@ def folder(tmp_path_factory) -> Path:
 # -- pure pieces -----------------------------------------------------------------------------
 def test_lr_schedule_warms_up_then_decays_to_zero():
     for decay in ("cosine", "linear"):
-        lrs = [T.get_lr(p / 100, 1.0, 0.1, decay) for p in range(101)]
+        lrs = [get_lr(p / 100, 1.0, 0.1, decay) for p in range(101)]
         assert lrs[0] == 0 and lrs[10] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.0, abs=1e-12)
         assert all(a <= b for a, b in zip(lrs[:10], lrs[1:11]))
         assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    assert T.get_lr(0.55, 2.0, 0.1, "cosine") == pytest.approx(1.0)  # half way through the cosine
+    assert get_lr(0.55, 2.0, 0.1, "cosine") == pytest.approx(1.0)  # half way through the cosine
 
 
 def test_weight_decay_skips_biases_norms_and_position_tables():
     import vitattn
 
     m = vitattn.create_model("vit_cifar_small_patch4")
-    decay, no_decay = T.param_groups(m, 0.05)
+    decay, no_decay = param_groups(m, 0.05)
     names = {id(p): n for n, p in m.named_parameters()}
     skipped = {names[id(p)] for p in no_decay["params"]}
     assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "head.bias"} <= skipped
@@ -83,18 +82,17 @@ def test_test_time_augmentation_views_and_weights():
     torch.manual_seed(0)
     x = torch.randint(0, 256, (40, 3, 8, 8), dtype=torch.uint8)
     y = torch.randint(0, 4, (40,))
-    norm = T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    cfg = T.Config(eval_batch_size=16)
+    norm = Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     # a model that ignores its input: every kind of averaging gives the plain accuracy
     const = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4))
     with torch.no_grad():
         const[1].weight.zero_()
-    r = T.evaluate(const, norm, x, y, cfg, torch.device("cpu"), T.Dist(), tta=True)
+    r = evaluate(const, norm, x, y, batch_size=16, dd=Dist(), tta=True)
     assert r["acc"] == r["acc_tta"] == r["acc_tta_shift"]
     # a model that reads every pixel: the counts match the views written out by hand
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4)).eval()
-    r = T.evaluate(model, norm, x, y, cfg, torch.device("cpu"), T.Dist(), tta=True)
+    r = evaluate(model, norm, x, y, batch_size=16, tta=True)
     with torch.no_grad():
         xb = norm(x)
         prob = lambda v: model(v).softmax(1)  # noqa: E731
@@ -117,14 +115,14 @@ def test_flops_per_image_counts_every_matrix_product():
     # the last block runs for the class token only: k, v of every token; q, attention, proj, mlp of one
     last_block = 2 * t * (2 * d * d) + 2 * (d * d + d * d + 2 * 2 * d * d) + 4 * t * d
     want = 2 * (3 * 4 * 4) * d * 64 + (depth - 1) * per_block + last_block + 2 * d * 10  # embed, blocks, head
-    assert T.flops_per_image(m, (32, 32)) == want
+    assert flops_per_image(m, (32, 32)) == want
 
 
 def test_cli_help_and_preset_routing(capsys):
     with pytest.raises(SystemExit) as e:
         T.parse_args(["--help"])
     assert e.value.code == 0 and "--time-budget" in capsys.readouterr().out
-    cfg = T.parse_args(["--preset", "vit_cifar_lee_patch4", "--preset", "cnn_cifar_small", "--bf16"])
+    cfg = T.parse_args(["--vit-preset", "vit_cifar_lee_patch4", "--cnn-preset", "cnn_cifar_small", "--bf16"])
     assert (cfg.vit_preset, cfg.cnn_preset, cfg.bf16) == ("vit_cifar_lee_patch4", "cnn_cifar_small", True)
     with pytest.raises(SystemExit):
         T.parse_args(["--vit-preset", "cnn_cifar"])  # a CNN preset where a ViT one belongs
@@ -180,7 +178,7 @@ def test_a_whitening_stem_is_set_from_the_training_images(tmp_path, folder):
     rows = metrics(s["out"])
     assert s["status"] == "ok" and rows[-1]["train_loss"] < rows[0]["train_loss"]
     ds = T.load_dataset(cfg)
-    want = vitattn.whitening_filters(T.Normalize(ds.mean, ds.std)(ds.data.train_x[:5000]))
+    want = vitattn.whitening_filters(ds.norm(ds.data.train_x[:5000]))
     ck = torch.load(Path(s["out"]) / "checkpoints" / "cnn.pt", weights_only=True)
     torch.testing.assert_close(ck["model"]["stem.0.weight"], want)  # set from data, then frozen
     assert ck["model"]["stem.0.bias"].abs().sum() > 0  # the bias learns
@@ -224,7 +222,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
 def test_ctrl_c_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder):
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
-           "--model", "cnn", "--preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
+           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
            "--no-progress", "--no-plots"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -249,7 +247,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     (Path(cfg.out) / "config.json").write_text(json.dumps({**saved, "epochs": 2, "lr": 1e30}))
     ck = torch.load(ck_path, weights_only=True)
     ck["state"]["done"] = False
-    T.save_atomic(ck, ck_path)
+    save_atomic(ck, ck_path)
     good = ck_path.read_bytes()
     s = T.main(T.Config(resume=cfg.out, progress=False))
     assert s["status"] == "nan"
@@ -302,7 +300,7 @@ def test_two_process_gloo_run_ends_with_equal_weights(tmp_path, folder):
 
 def test_configs_round_trip_through_json(tmp_path, folder):
     cfg = tiny(tmp_path, folder, time_budget=0.5, bf16=True)
-    assert T.Config(**json.loads(json.dumps(T.dataclasses.asdict(cfg)))) == cfg
+    assert T.Config(**json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
     assert replace(cfg, model="vit").models() == ["vit"]
 
 
@@ -310,4 +308,4 @@ def test_long_range_recipe_takes_small_batches_and_overrides_still_win():
     cnn = T.Config(dataset="long-range").recipe("cnn")
     assert (cnn.batch_size, cnn.lr) == (64, 0.1)
     assert T.Config(dataset="long-range", batch_size=128).recipe("cnn").batch_size == 128
-    assert T.Config().recipe("cnn").batch_size == T.RECIPES["cnn"].batch_size  # CIFAR-10 unchanged
+    assert T.Config().recipe("cnn").batch_size == RECIPES["cnn"].batch_size  # CIFAR-10 unchanged

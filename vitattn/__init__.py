@@ -4,9 +4,16 @@
     model = vitattn.create_model("vit_tiny_patch16_224", num_classes=10)
     logits = model(images)                     # (B, 10)
     maps = model.get_attention_maps(images)    # one (B, heads, N, N) per block
+
+The model API is exported here; the rest are submodules, each imported with the package and
+needing only torch (torchvision, pycocotools and matplotlib load when a function needs them):
+``vitattn.data`` (CIFAR sources, batches, augmentation), ``vitattn.train`` (recipes, schedule,
+evaluation, checkpoints), ``vitattn.context`` (how far layers look), ``vitattn.report`` (figures
+and report), ``vitattn.longrange`` (the long-range task), ``vitattn.detection`` (ViTDet
+backbones for torchvision's detectors), ``vitattn.init`` (mimetic and whitening inits).
 """
 
-from . import context, longrange  # global-context measures and the long-range task (torch only)
+from . import context, data, detection, init, longrange, report, train
 from .attention import SCORES, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN, whitening_filters
@@ -22,5 +29,6 @@ __all__ = [
     "SCORES", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
     "patchify", "resample_abs_pos_embed", "sincos_1d", "sincos_2d", "to_timm", "to_timm_state_dict",
-    "unpatchify", "whitening_filters", "window_mask", "context", "longrange",
+    "unpatchify", "whitening_filters", "window_mask",
+    "context", "data", "detection", "init", "longrange", "report", "train",
 ]

@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
+from .helpers import Size2, to_2tuple
+
 SCORES = ("scaled_dot", "dot", "general", "additive")
-Size2 = tuple[int, int]
 
 # Why the fused kernel is the default (2-core AMD EPYC, AVX2, fp32, torch 2.14; docs/performance.md).
 # Attention alone (qkv -> attention -> (B, N, D), forward + backward, interleaved, best of 5), ms
@@ -122,9 +123,7 @@ class MultiHeadAttention(nn.Module):
         self.scale = d**-0.5
         self.score = score
         self.fused = fused
-        if window_size is not None and isinstance(window_size, int):
-            window_size = (window_size, window_size)
-        self.window_size = tuple(window_size) if window_size is not None else None
+        self.window_size = to_2tuple(window_size) if window_size is not None else None
 
         if context_dim is None or context_dim == dim:
             self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)

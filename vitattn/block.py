@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from .attention import MultiHeadAttention
-
-Size2 = tuple[int, int]
+from .helpers import Size2
 
 
 class Mlp(nn.Module):

@@ -30,6 +30,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from .helpers import feature_take_indices
+from .init import whitening_basis
+
 
 @dataclass
 class CNNConfig:
@@ -83,12 +86,9 @@ def whitening_filters(images: torch.Tensor, kernel_size: int = 2, eps: float = 5
         raise ValueError(f"expected images (B, C, H, W), got {tuple(images.shape)}")
     k = kernel_size
     c = images.shape[1]
-    patches = images.double().unfold(2, k, 1).unfold(3, k, 1)  # (B, C, H-k+1, W-k+1, k, k)
-    patches = rearrange(patches, "b c h w kh kw -> (b h w) (c kh kw)")
-    moment = patches.T @ patches / len(patches)
-    eigvals, eigvecs = torch.linalg.eigh(moment)  # ascending
-    eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
-    filters = rearrange(eigvecs / torch.sqrt(eigvals.clamp_min(0) + eps), "(c kh kw) n -> n c kh kw", c=c, kh=k)
+    patches = images.unfold(2, k, 1).unfold(3, k, 1)  # (B, C, H-k+1, W-k+1, k, k)
+    basis = whitening_basis(rearrange(patches, "b c h w kh kw -> (b h w) (c kh kw)"), eps)
+    filters = rearrange(basis, "n (c kh kw) -> n c kh kw", c=c, kh=k)
     return torch.cat([filters, -filters]).to(images.dtype if images.is_floating_point() else torch.float32)
 
 
@@ -152,9 +152,7 @@ class SmallCNN(nn.Module):
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
                               intermediates_only: bool = False):
         """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT."""
-        n = len(self.stages)
-        take = list(range(n)) if indices is None else (
-            list(range(n - indices, n)) if isinstance(indices, int) else [i % n for i in indices])
+        take = feature_take_indices(len(self.stages), indices)
         if x.ndim != 4 or x.shape[1] != self.config.in_chans:
             raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
         x = self.stem(x)

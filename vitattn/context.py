@@ -34,16 +34,12 @@ import torch
 from einops import rearrange
 from torch import nn
 
-Size2 = tuple[int, int]
-
-
-def _pair(x: int | Sequence[int]) -> Size2:
-    return (int(x), int(x)) if isinstance(x, int) else (int(x[0]), int(x[1]))
+from .helpers import Size2, feature_take_indices, to_2tuple
 
 
 def patch_centres(grid: int | Size2, patch_size: int | Size2) -> torch.Tensor:
     """``(gh * gw, 2)`` pixel coordinates (row, col) of each patch centre, row-major."""
-    (gh, gw), (ph, pw) = _pair(grid), _pair(patch_size)
+    (gh, gw), (ph, pw) = to_2tuple(grid), to_2tuple(patch_size)
     rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
     return torch.stack([(rows.flatten() + 0.5) * ph, (cols.flatten() + 0.5) * pw], 1).double()
 
@@ -95,7 +91,7 @@ def mean_attention_distance(maps: torch.Tensor | Sequence[torch.Tensor], grid: i
     n = layers[0].shape[-1] - num_prefix_tokens
     if n != len(pos):
         raise ValueError(f"attention maps have {n} patch tokens after {num_prefix_tokens} prefix "
-                         f"token(s), but the grid {_pair(grid)} has {len(pos)}")
+                         f"token(s), but the grid {to_2tuple(grid)} has {len(pos)}")
     dist = torch.cdist(pos, pos).float().to(layers[0].device)  # (N, N) pixels
     out = []
     for attn in layers:
@@ -120,14 +116,7 @@ def _layer_name(model: nn.Module, i: int) -> str:
 
 
 def _resolve_indices(model: nn.Module, indices: int | Sequence[int] | None) -> list[int]:
-    if indices is not None and not isinstance(indices, int):
-        idx = list(indices)
-        if any(i < 0 for i in idx):
-            n = _num_layers(model)
-            idx = [i % n for i in idx]
-        return idx
-    n = _num_layers(model)
-    return list(range(n)) if indices is None else list(range(n - indices, n))
+    return feature_take_indices(_num_layers(model), indices)
 
 
 def weighted_radius(weights: torch.Tensor, centre: Sequence[float]) -> float:
@@ -234,7 +223,7 @@ def attention_rollout(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_to
 def rollout_map(rollout: torch.Tensor, grid: int | Size2, num_prefix_tokens: int) -> torch.Tensor:
     """``(B, P + N, P + N) -> (B, gh, gw)``: what the class token draws from each patch (the mean
     over patch queries when there is no prefix token), renormalised over patches to sum to 1."""
-    gh, gw = _pair(grid)
+    gh, gw = to_2tuple(grid)
     p = num_prefix_tokens
     if rollout.shape[-1] != p + gh * gw:
         raise ValueError(f"rollout has {rollout.shape[-1]} tokens, expected {p} + {gh}x{gw}")
@@ -249,7 +238,7 @@ def head_attention_maps(attn: torch.Tensor, grid: int | Size2, num_prefix_tokens
     of one query looks, over the patch keys (renormalised). ``query``: ``None`` for the class
     token (the centre patch when there is no prefix token), a patch index (row-major) or a
     ``(row, col)`` grid position."""
-    gh, gw = _pair(grid)
+    gh, gw = to_2tuple(grid)
     p = num_prefix_tokens
     if attn.ndim != 4 or attn.shape[-1] != p + gh * gw:
         raise ValueError(f"expected attention (B, heads, {p + gh * gw}, {p + gh * gw}), got {tuple(attn.shape)}")

@@ -17,8 +17,7 @@ detectors' default RoI poolers and anchor generators fit. Window attention (a bl
 ``vitattn.attention``) keeps the cost linear in the image area; ViTDet uses 14x14 windows with
 global attention in every third block, which propagates information across windows.
 
-The module also holds a small COCO-style evaluation (:func:`coco_map`) so experiments need no
-extra package.
+:func:`coco_map` scores detections with pycocotools, the reference COCO evaluation.
 
 References: Li, Mao, Girshick, He 2022, "Exploring Plain Vision Transformer Backbones for Object
 Detection" (ViTDet), detectron2 ``modeling/backbone/vit.py`` (``SimpleFeaturePyramid``);
@@ -28,7 +27,6 @@ torchvision ``models/detection``; COCO evaluation, pycocotools ``cocoeval.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .patch_embed import to_2tuple
+from .helpers import feature_take_indices, to_2tuple
 from .vit import ViT
 
 DETECTORS = ("fasterrcnn", "maskrcnn", "retinanet", "fcos")
@@ -64,9 +62,7 @@ def set_window_attention(vit: ViT, window_size: int | None, block_indexes: Seque
         block_indexes = ()
     elif block_indexes is None:
         block_indexes = vitdet_window_blocks(depth)
-    block_indexes = tuple(sorted(int(i) % depth if -depth <= i < depth else -1 for i in block_indexes))
-    if -1 in block_indexes:
-        raise ValueError(f"window block indexes out of range for depth {depth}")
+    block_indexes = tuple(sorted(feature_take_indices(depth, list(block_indexes))))
     for i, blk in enumerate(vit.blocks):
         blk.attn.window_size = to_2tuple(window_size) if i in block_indexes else None
     vit.config = dataclasses.replace(vit.config, window_size=window_size, window_block_indexes=block_indexes)
@@ -306,86 +302,65 @@ def build_detector(
 
 
 # -- evaluation -------------------------------------------------------------------------------
-def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of ``(n, 4)`` and ``(m, 4)`` boxes in ``x1 y1 x2 y2`` -> ``(n, m)``."""
-    area_a = (a[:, 2] - a[:, 0]).clamp(min=0) * (a[:, 3] - a[:, 1]).clamp(min=0)
-    area_b = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
-    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
-    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    union = area_a[:, None] + area_b[None, :] - inter
-    return torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(inter))
-
-
-def average_precision(scores: torch.Tensor, matched: torch.Tensor, num_gt: int) -> float:
-    """COCO's 101-point interpolated AP of one class at one IoU threshold.
-
-    ``scores`` and ``matched`` (bool: the detection is a true positive) list every detection
-    of the class over all images; ``num_gt`` counts its ground-truth boxes. Precision is made
-    monotone (the envelope) and read at recall 0, 0.01, ..., 1; a recall never reached reads 0.
-    """
-    if num_gt <= 0:
-        raise ValueError(f"average precision needs at least one ground-truth box, got {num_gt}")
-    order = torch.sort(scores, descending=True, stable=True).indices
-    tp = matched[order].double().cumsum(0)
-    fp = (~matched[order]).double().cumsum(0)
-    recall = tp / num_gt
-    precision = tp / (tp + fp).clamp(min=1)
-    precision = torch.flip(torch.cummax(torch.flip(precision, [0]), 0).values, [0])  # envelope
-    points = torch.linspace(0, 1, 101, dtype=torch.float64)
-    idx = torch.searchsorted(recall, points, side="left")
-    read = torch.cat([precision, precision.new_zeros(1)])  # index len(precision): recall not reached
-    return float(read[idx].mean())
-
-
 def coco_map(
     predictions: Sequence[dict[str, torch.Tensor]],
     targets: Sequence[dict[str, torch.Tensor]],
-    iou_thresholds: Sequence[float] | None = None,
     max_dets: int = 100,
 ) -> dict[str, Any]:
-    """COCO-style box mAP over IoU 0.50:0.05:0.95 (``'map'``), and at IoU 0.5 / 0.75.
+    """COCO box mAP by pycocotools' ``COCOeval``: IoU 0.50:0.05:0.95 (``'map'``), 0.5 and 0.75,
+    all object sizes, at most ``max_dets`` detections per image and class.
 
-    ``predictions[i]`` has ``boxes`` ``(n, 4)``, ``scores``, ``labels``; ``targets[i]`` has
-    ``boxes`` and ``labels``. Per image the ``max_dets`` best detections count. Each
-    detection, in order of score, matches the unmatched ground truth of its class it overlaps
-    most if the IoU reaches the threshold (pycocotools' rule, no crowd boxes or area ranges).
-    AP is averaged over the classes that have ground truth (``'per_class'``: over thresholds).
+    ``predictions[i]`` has ``boxes`` ``(n, 4)`` in ``x1 y1 x2 y2``, ``scores``, ``labels``;
+    ``targets[i]`` has ``boxes`` and ``labels`` (torchvision's detector format). AP is averaged
+    over the classes that have ground truth; ``'per_class'`` gives each over the thresholds.
+    Needs pycocotools (``pip install 'vitattn[detection]'``).
     """
+    try:
+        from pycocotools.coco import COCO
+        from pycocotools.cocoeval import COCOeval
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("coco_map needs pycocotools: pip install 'vitattn[detection]'") from e
+    import contextlib
+    import io
+
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
-    ious = tuple(iou_thresholds) if iou_thresholds is not None else tuple(0.5 + 0.05 * i for i in range(10))
     classes = sorted({int(c) for t in targets for c in t["labels"].tolist()})
     if not classes:
         raise ValueError("the targets hold no ground-truth boxes")
-    ap = torch.zeros(len(ious), len(classes), dtype=torch.float64)
-    for ci, c in enumerate(classes):
-        scores_c, matched_c = [], [[] for _ in ious]
-        num_gt = 0
-        for pred, tgt in zip(predictions, targets):
-            gt = tgt["boxes"][tgt["labels"] == c].double().reshape(-1, 4)
-            keep = pred["labels"] == c
-            boxes, scores = pred["boxes"][keep].double().reshape(-1, 4), pred["scores"][keep].double()
-            order = torch.sort(scores, descending=True, stable=True).indices[:max_dets]
-            boxes, scores = boxes[order], scores[order]
-            num_gt += len(gt)
-            scores_c.append(scores)
-            iou = box_iou(boxes, gt)
-            for ti, thr in enumerate(ious):
-                taken = torch.zeros(len(gt), dtype=torch.bool)
-                hit = torch.zeros(len(boxes), dtype=torch.bool)
-                for d in range(len(boxes)):
-                    cand = iou[d].masked_fill(taken, -1.0)
-                    if len(gt) and cand.max() >= thr - 1e-10:
-                        j = int(cand.argmax())
-                        taken[j] = hit[d] = True
-                matched_c[ti].append(hit)
-        scores_all = torch.cat(scores_c)
-        for ti in range(len(ious)):
-            ap[ti, ci] = average_precision(scores_all, torch.cat(matched_c[ti]), num_gt)
-    def at(thr: float) -> float:
-        hits = [i for i, t in enumerate(ious) if math.isclose(t, thr)]
-        return float(ap[hits[0]].mean()) if hits else float("nan")
 
-    return {"map": float(ap.mean()), "map_50": at(0.5), "map_75": at(0.75),
-            "per_class": {c: float(ap[:, ci].mean()) for ci, c in enumerate(classes)}}
+    def xywh(boxes: torch.Tensor) -> list[list[float]]:
+        b = boxes.detach().double().cpu().reshape(-1, 4)
+        return torch.cat([b[:, :2], b[:, 2:] - b[:, :2]], 1).tolist()
+
+    images, gts, dets = [], [], []
+    for i, (pred, tgt) in enumerate(zip(predictions, targets)):
+        images.append({"id": i})
+        for box, label in zip(xywh(tgt["boxes"]), tgt["labels"].tolist()):
+            gts.append({"id": len(gts) + 1, "image_id": i, "category_id": int(label), "bbox": box,
+                        "area": box[2] * box[3], "iscrowd": 0})
+        for box, score, label in zip(xywh(pred["boxes"]), pred["scores"].tolist(), pred["labels"].tolist()):
+            dets.append({"image_id": i, "category_id": int(label), "bbox": box, "score": float(score)})
+    cats = sorted(set(classes) | {d["category_id"] for d in dets})
+    if not dets:  # pycocotools cannot load an empty result list; nothing detected is AP 0
+        return {"map": 0.0, "map_50": 0.0, "map_75": 0.0, "per_class": dict.fromkeys(classes, 0.0)}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+        gt = COCO()
+        gt.dataset = {"images": images, "annotations": gts, "categories": [{"id": c} for c in cats]}
+        gt.createIndex()
+        ev = COCOeval(gt, gt.loadRes(dets), iouType="bbox")
+        ev.params.maxDets = [max_dets]
+        ev.params.areaRng, ev.params.areaRngLbl = [ev.params.areaRng[0]], ["all"]
+        ev.evaluate()
+        ev.accumulate()
+    prec = torch.as_tensor(ev.eval["precision"][:, :, :, 0, 0])  # (IoU thresholds, recall points, classes)
+    keep = [cats.index(c) for c in classes]  # classes with ground truth
+    prec = prec[:, :, keep]
+
+    def mean(p: torch.Tensor) -> float:
+        return float(p[p > -1].mean()) if (p > -1).any() else float("nan")
+
+    ious = ev.params.iouThrs.tolist()
+    return {"map": mean(prec), "map_50": mean(prec[ious.index(0.5)]),
+            "map_75": mean(prec[min(range(len(ious)), key=lambda j: abs(ious[j] - 0.75))]),
+            "per_class": {c: mean(prec[:, :, k]) for k, c in enumerate(classes)}}

@@ -74,9 +74,10 @@ def _ring_offsets(d: float, img_size: int) -> torch.Tensor:
     return out
 
 
-def _background(n: int, img_size: int, gen: torch.Generator) -> torch.Tensor:
+def textured_background(n: int, img_size: int, gen: torch.Generator) -> torch.Tensor:
     """``(n, 3, H, W)`` float in [0, 255]: muted low-frequency colour blobs + oriented stripes +
-    pixel noise, so marks must be told from texture rather than from a flat field."""
+    pixel noise, so objects must be told from texture rather than from a flat field (the
+    long-range task and the detection example draw on it)."""
     grey = 70 + 70 * torch.rand(n, 1, 1, 1, generator=gen)
     blobs = F.interpolate(torch.rand(n, 3, 5, 5, generator=gen) - 0.5, size=(img_size, img_size),
                           mode="bicubic", align_corners=False)
@@ -160,7 +161,7 @@ def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
     which of the two marks to draw (for tests of what one mark alone reveals)."""
     n = len(specs["labels"])
     gen = torch.Generator().manual_seed(int(specs["seed"]) + 1_000_003)  # background stream
-    img = _background(n, img_size, gen)
+    img = textured_background(n, img_size, gen)
     gy, gx = torch.meshgrid(torch.arange(-1, 2), torch.arange(-1, 2), indexing="ij")
     for m in (0, 1):
         if not marks[m]:

@@ -13,17 +13,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-Size2 = tuple[int, int]
-
-
-def to_2tuple(x: int | Size2 | list[int]) -> Size2:
-    """``4 -> (4, 4)``; a pair passes through (as a tuple)."""
-    if isinstance(x, int):
-        return (x, x)
-    x = tuple(int(v) for v in x)
-    if len(x) != 2:
-        raise ValueError(f"expected an int or a pair of ints, got {x}")
-    return x  # type: ignore[return-value]
+from .helpers import Size2, to_2tuple
 
 
 def check_image(x: torch.Tensor, patch_size: Size2, in_chans: int | None = None) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-Size2 = tuple[int, int]
+from .helpers import Size2
 
 
 def sincos_1d(positions: int | torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:

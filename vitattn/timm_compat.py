@@ -47,7 +47,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     check(getattr(model, "attn_pool", None) is not None, "attention pooling ('map')")
     check(not isinstance(model.norm_pre, nn.Identity), "pre_norm=True")
     check(not isinstance(model.patch_embed.norm, nn.Identity), "patch embedding norm")
-    check(getattr(model.patch_embed, "dynamic_img_pad", False), "dynamic_img_pad=True")
+    check(not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity), "patch_drop_rate > 0")
     check(model.patch_embed.proj.bias is None, "patch projection without bias")
     check(not isinstance(blk.norm1, nn.LayerNorm) or blk.norm1.eps != 1e-6, "norm_layer other than LayerNorm(eps=1e-6)")
     check(not isinstance(blk.mlp.act, nn.GELU) or getattr(blk.mlp.act, "approximate", "none") != "none",
@@ -63,6 +63,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     has_pos = getattr(model, "pos_embed", None) is not None
     qk_norm = not isinstance(blk.attn.q_norm, nn.Identity)
     ls = blk.ls1
+    last_drop_path = model.blocks[-1].drop_path1  # timm's rates rise linearly to drop_path_rate, as ours
     return ViTConfig(
         img_size=tuple(model.patch_embed.img_size),
         patch_size=tuple(model.patch_embed.patch_size),
@@ -79,7 +80,13 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         class_token=model.cls_token is not None,
         pos_embed="learn" if has_pos else "none",
         dynamic_img_size=bool(getattr(model, "dynamic_img_size", False)),
+        dynamic_img_pad=bool(getattr(model.patch_embed, "dynamic_img_pad", False)),
         fc_norm=not isinstance(model.fc_norm, nn.Identity),
+        drop_rate=float(model.head_drop.p),
+        pos_drop_rate=float(model.pos_drop.p),
+        proj_drop_rate=float(blk.attn.proj_drop.p),
+        attn_drop_rate=float(blk.attn.attn_drop.p),
+        drop_path_rate=float(getattr(last_drop_path, "drop_prob", 0.0)),
     )
 
 
@@ -109,12 +116,14 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
     c = config
     if c.score != "scaled_dot" or c.window_block_indexes or c.pos_embed in ("sincos1d", "sincos2d"):
         raise ValueError("timm has no twin for score / window / sincos options")
+    # weight_init and patch_init only choose starting weights, which to_timm copies anyway
     return dict(
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,
         global_pool=c.global_pool, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,
         mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, init_values=c.init_values,
         class_token=c.class_token, pos_embed=c.pos_embed, dynamic_img_size=c.dynamic_img_size,
-        fc_norm=c.fc_norm,
+        dynamic_img_pad=c.dynamic_img_pad, fc_norm=c.fc_norm, drop_rate=c.drop_rate, pos_drop_rate=c.pos_drop_rate,
+        proj_drop_rate=c.proj_drop_rate, attn_drop_rate=c.attn_drop_rate, drop_path_rate=c.drop_path_rate,
     )
 
 

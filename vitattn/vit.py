@@ -25,11 +25,15 @@ from einops import rearrange, repeat
 from torch import nn
 
 from .block import Block
-from .patch_embed import PatchEmbed, to_2tuple
+from .helpers import feature_take_indices, to_2tuple
+from .init import mimetic_attention_weights, patch_whitening_weights
+from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
+WEIGHT_INITS = ("", "mimetic")
+PATCH_INITS = ("", "whiten")
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ViTConfig:
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
+    weight_init: str = ""  # '' (timm's default) or 'mimetic' (attention weights as in a trained ViT)
+    patch_init: str = ""  # '' (PyTorch's conv init) or 'whiten' (set from data by ViT.init_stem)
 
     def __post_init__(self) -> None:
         if self.pos_embed not in POS_EMBEDS:
@@ -72,6 +78,10 @@ class ViTConfig:
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         self.window_block_indexes = tuple(self.window_block_indexes)
+        if self.weight_init not in WEIGHT_INITS:
+            raise ValueError(f"unknown weight_init {self.weight_init!r}; expected one of {WEIGHT_INITS}")
+        if self.patch_init not in PATCH_INITS:
+            raise ValueError(f"unknown patch_init {self.patch_init!r}; expected one of {PATCH_INITS}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +132,9 @@ class ViT(nn.Module):
     # -- init -------------------------------------------------------------------------------
     def init_weights(self) -> None:
         """timm's default scheme: truncated normal (std .02) for linear layers and the position
-        table, zero biases, a near-zero class token; the patch projection keeps PyTorch's init."""
+        table, zero biases, a near-zero class token; the patch projection keeps PyTorch's init.
+        ``weight_init='mimetic'`` then sets every attention layer's q, k, v and proj weights by
+        :func:`vitattn.init.mimetic_attention_weights`."""
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
@@ -132,6 +144,27 @@ class ViT(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if self.config.weight_init == "mimetic":
+            with torch.no_grad():
+                for blk in self.blocks:
+                    w = mimetic_attention_weights(self.embed_dim, blk.attn.num_heads)
+                    blk.attn.qkv.weight.copy_(torch.cat([w["q"], w["k"], w["v"]]))
+                    blk.attn.proj.weight.copy_(w["proj"])
+
+    @torch.no_grad()
+    def init_stem(self, images: torch.Tensor) -> None:
+        """With ``patch_init='whiten'``, set the patch projection from normalised training
+        ``images`` ``(B, C, H, W)``: its first ``min(D, C*p*p)`` filters whiten the patches
+        (:func:`vitattn.init.patch_whitening_weights`), the rest keep their init, the bias is 0.
+        The projection stays trainable. Otherwise does nothing."""
+        if self.config.patch_init != "whiten":
+            return
+        proj = self.patch_embed.proj
+        w = patch_whitening_weights(images.to(proj.weight.device), self.patch_embed.patch_size, self.embed_dim)
+        flat = proj.weight.view(proj.out_channels, -1)
+        flat[: len(w)] = w.to(flat.dtype)
+        if proj.bias is not None:
+            proj.bias.zero_()
 
     # -- tokens -----------------------------------------------------------------------------
     def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
@@ -232,17 +265,7 @@ class ViT(nn.Module):
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        depth = len(self.blocks)
-        if indices is None:
-            take = list(range(depth))
-        elif isinstance(indices, int):
-            if not 0 < indices <= depth:
-                raise ValueError(f"indices={indices}: expected 1..{depth} last blocks")
-            take = list(range(depth - indices, depth))
-        else:
-            take = [i % depth if -depth <= i < depth else None for i in indices]
-            if None in take:
-                raise ValueError(f"block indices {list(indices)} out of range for depth {depth}")
+        take = feature_take_indices(len(self.blocks), indices)
         p = self.num_prefix_tokens
         x, grid = self.embed(x)
         out = []

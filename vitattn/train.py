@@ -1,0 +1,363 @@
+"""What a training script needs besides the model: recipes, the lr schedule, optimiser groups,
+evaluation with test-time augmentation, checkpoints that survive a crash, a
+Ctrl-C flag, the distributed helpers, cost counts and the run's environment.
+
+``train_cifar.py`` is built from these; so can any other loop be.
+
+References: Keller Jordan's airbench (``airbench94.py``: schedule, normalisation on the fly,
+six-view test-time augmentation); nanoGPT (a pure ``get_lr``); DeiT (Touvron et al. 2021) for
+the ViT recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------
+# Recipes: how each model family trains by default
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recipe:
+    """How one model family trains; every field can be overridden from the command line."""
+
+    optimizer: str  # 'adamw' or 'sgd' (Nesterov)
+    batch_size: int  # images per optimiser step, summed over ranks
+    lr: float  # peak learning rate
+    weight_decay: float  # decoupled (AdamW) or L2 (SGD); not on biases, norms, position tables
+    warmup: float  # fraction of the run spent ramping the lr linearly from 0
+    decay: str  # 'cosine' or 'linear' to 0 after warmup
+    label_smoothing: float  # target smoothing for the cross-entropy
+    grad_clip: float  # max global gradient norm; 0 = off
+    translate: int  # max random shift in pixels (zero padding)
+    cutout: int  # side of a zeroed square in pixels; 0 = off
+    epochs: float  # passes over the training set when neither epochs nor a time budget is given
+    momentum: float = 0.9  # SGD momentum, or AdamW's beta1
+    beta2: float = 0.999  # AdamW's beta2
+
+
+RECIPES: dict[str, Recipe] = {
+    # DeiT's AdamW + cosine, label smoothing and clipping, with little regularisation: a ViT
+    # trained for minutes under-fits (Touvron et al. 2021).
+    "vit": Recipe(optimizer="adamw", batch_size=256, lr=2e-3, weight_decay=0.05, warmup=0.05, decay="cosine",
+                  label_smoothing=0.1, grad_clip=1.0, translate=4, cutout=0, epochs=30, beta2=0.99),
+    # airbench's recipe in plain PyTorch: Nesterov SGD, a linear ramp up and down, label smoothing
+    # 0.2, flip + 2-px translate; the high lr is stable thanks to the CNN presets' airbench details.
+    "cnn": Recipe(optimizer="sgd", batch_size=512, lr=0.8, weight_decay=5e-4, warmup=0.1, decay="linear",
+                  label_smoothing=0.2, grad_clip=5.0, translate=2, cutout=0, epochs=10),
+}
+
+# Per-dataset changes: the long-range task's 20,000 images give too few steps at CIFAR's batch sizes.
+DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "long-range": {"cnn": dict(batch_size=64, lr=0.1), "vit": dict(batch_size=64, lr=1e-3)},
+}
+
+# CIFAR-10: the cheaper pair, which sees more epochs in a CPU budget. Long-range: parameter
+# counts matched, so accuracy against distance compares architectures, not sizes.
+DEFAULT_PRESETS: dict[str, dict[str, str]] = {
+    "cifar10": {"vit": "vit_cifar_small_patch4", "cnn": "cnn_cifar_whiten"},
+    "long-range": {"vit": "vit_cifar_patch4", "cnn": "cnn_cifar"},
+}
+
+
+def get_lr(progress: float, peak: float, warmup: float, decay: str) -> float:
+    """Learning rate at ``progress`` in [0, 1] of the run: linear warmup, then cosine / linear to 0."""
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup:
+        return peak * progress / warmup
+    t = (progress - warmup) / max(1.0 - warmup, 1e-12)
+    if decay == "cosine":
+        return peak * 0.5 * (1.0 + math.cos(math.pi * t))
+    if decay == "linear":
+        return peak * (1.0 - t)
+    raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and kernels; leave biases, norm scales, tokens and position tables alone."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token"))
+        (no_decay if skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer:
+    groups = param_groups(model, r.weight_decay)
+    if r.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=r.lr, betas=(r.momentum, r.beta2))
+    if r.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=r.lr, momentum=r.momentum, nesterov=True)
+    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {r.optimizer!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost
+# ---------------------------------------------------------------------------------------------
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_image(model: nn.Module, img_size: tuple[int, int], in_chans: int = 3) -> int:
+    """Forward FLOPs of one image (``torch.utils.flop_counter``; a multiply-add counts 2).
+
+    Counted on a copy on the ``meta`` device: no arithmetic is done, and the layers take their
+    plain PyTorch path there, whose matrix products the counter sees.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ghost = copy.deepcopy(model).to("meta").eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ghost(torch.zeros(1, in_chans, *img_size, device="meta"))
+    return int(counter.get_total_flops())
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    """This process's place in a distributed run (a single process by default)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def all_reduce_(t: torch.Tensor, dd: Dist, op=None) -> torch.Tensor:
+    """Sum (or ``op``) ``t`` over ranks in place; a no-op in a single process."""
+    if dd.world > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """airbench's views: the image and its mirror (``pair``), and both shifted one pixel up-left
+    and down-right with reflect padding, each with its mirror (``four``)."""
+    pair = (logits.softmax(1) + model(xb.flip(3)).float().softmax(1)) / 2
+    padded = F.pad(xb, (1, 1, 1, 1), mode="reflect")
+    shifted = torch.cat([padded[..., :-2, :-2], padded[..., 2:, 2:]])
+    four = model(torch.cat([shifted, shifted.flip(3)])).float().softmax(1).view(4, len(xb), -1).mean(0)
+    return pair, four
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
+             device: torch.device | str = "cpu", dd: Dist | None = None, channels_last: bool = False,
+             tta: bool = False, bf16: bool = False) -> dict:
+    """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
+
+    With ``tta`` also ``acc_tta`` (softmax averaged over each image and its mirror) and
+    ``acc_tta_shift`` (airbench's six views, its ``tta_level=2``: half weight on that pair, half
+    on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy.
+    """
+    dd = dd or Dist()
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    idx = torch.arange(dd.rank, len(x), dd.world)
+    sums = torch.zeros(5, dtype=torch.float64)  # loss, correct, correct flip-TTA, correct 6-view, count
+    hits = torch.zeros(len(x), dtype=torch.int32)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    for j in idx.split(batch_size):
+        xb = norm(x[j].to(device))
+        if channels_last:
+            xb = xb.contiguous(memory_format=torch.channels_last)
+        yb = y[j].to(device)
+        with amp:
+            logits = model(xb).float()
+        ok = logits.argmax(1) == yb
+        sums[0] += float(F.cross_entropy(logits, yb, reduction="sum"))
+        sums[1] += int(ok.sum())
+        sums[4] += len(j)
+        hits[j] = ok.cpu().to(torch.int32)
+        if tta:
+            with amp:
+                pair, four = _tta_probs(model, xb, logits)
+            sums[2] += int((pair.argmax(1) == yb).sum())
+            sums[3] += int(((pair + four).argmax(1) == yb).sum())
+    model.train(was_training)
+    all_reduce_(sums, dd)
+    all_reduce_(hits, dd)
+    out = {"loss": float(sums[0] / sums[4]), "acc": float(sums[1] / sums[4]), "hits": hits.bool()}
+    if tta:
+        out["acc_tta"], out["acc_tta_shift"] = float(sums[2] / sums[4]), float(sums[3] / sums[4])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that survive a crash
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read; the message names it, and the file is left as it is."""
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temp file, then rename: a crash never leaves half a checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, map_location: torch.device | str = "cpu") -> dict:
+    """``torch.load(weights_only=True)``; an unreadable file raises a ``CheckpointError`` naming it."""
+    try:
+        ck = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a damaged file surfaces as zip, pickle, EOF or OS errors, depending on where
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                              "it was left untouched. Move it away to train that model afresh.") from e
+    if not isinstance(ck, dict) or not {"model", "optimizer", "state"} <= set(ck):
+        raise CheckpointError(f"checkpoint {path} is not a training checkpoint (expected model, optimizer and "
+                              "state entries); it was left untouched.")
+    return ck
+
+
+def save_safetensors(model: nn.Module, path: Path) -> None:
+    """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
+    from safetensors.torch import save_file
+
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C, devices, processes
+# ---------------------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """SIGINT sets a flag that the loop checks between steps; a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._old = None
+
+    def __enter__(self) -> StopFlag:
+        if signal.getsignal(signal.SIGINT) is not None and threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+        print("\ninterrupt: saving a resumable checkpoint after this step (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``'auto'`` is CUDA (this rank's GPU) when present, else the CPU; other names as torch reads them.
+    Raises a ``ValueError`` for a name torch does not know or a CUDA device that is not there."""
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r} is not a device torch knows (expected auto, cpu, cuda, cuda:N)") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but this machine has no CUDA device; use --device cpu")
+    return dev
+
+
+def setup_distributed(device: torch.device) -> Dist:
+    """Join the process group that ``torchrun`` describes in the environment (gloo on CPU,
+    nccl on CUDA); a single process when there is none."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def average_buffers(model: nn.Module, dd: Dist) -> None:
+    """Average floating buffers (BatchNorm statistics) over ranks, so that every rank evaluates
+    and saves one and the same model."""
+    if dd.world == 1:
+        return
+    for b in model.buffers():
+        if b.is_floating_point():
+            dist.all_reduce(b)
+            b /= dd.world
+
+
+def environment(device: torch.device, repo: Path | None = None) -> dict:
+    """What ran this: device, CPU, library versions, and the git commit of ``repo`` (by default
+    the folder holding the package, i.e. the checkout of an editable install)."""
+    from . import __version__
+
+    env = {"device": str(device), "python": platform.python_version(), "torch": torch.__version__,
+           "vitattn": __version__, "platform": platform.platform(), "threads": torch.get_num_threads(),
+           "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                env["cpu"] = line.split(":", 1)[1].strip()
+                break
+    for mod in ("torchvision", "timm", "einops", "matplotlib"):
+        with contextlib.suppress(ImportError):
+            env[mod] = __import__(mod).__version__
+    try:
+        git = ["git", "-C", str(repo or Path(__file__).resolve().parents[1])]
+        env["git_commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           timeout=10).stdout.strip() or None
+        env["git_dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                               capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    return env
