@@ -34,10 +34,10 @@ def _png(img: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def write_folder(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
-    """An ImageFolder tree ``root/{train,test}/<class>/NNNN.png``."""
+def write_folder(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES, size: int = 32) -> Path:
+    """An ImageFolder tree ``root/{train,test}/<class>/NNNN.png`` (``n_*`` images per class)."""
     for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
-        x, y = make_images(n, seed, classes)
+        x, y = make_images(n, seed, classes, size)
         for i, (img, label) in enumerate(zip(x, y)):
             f = root / split / classes[label] / f"{i:04d}.png"
             f.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -309,3 +310,123 @@ def test_long_range_recipe_takes_small_batches_and_overrides_still_win():
     assert (cnn.batch_size, cnn.lr) == (64, 0.1)
     assert T.Config(dataset="long-range", batch_size=128).recipe("cnn").batch_size == 128
     assert T.Config().recipe("cnn").batch_size == RECIPES["cnn"].batch_size  # CIFAR-10 unchanged
+
+
+# -- bad input: one message, exit 2, no traceback, nothing written -----------------------------
+BAD_OPTIONS = [
+    (["--batch-size", "0"], "batch_size must be > 0"),
+    (["--lr", "-1"], "lr must be > 0"),
+    (["--lr", "nan"], "lr must be > 0"),
+    (["--epochs", "0"], "epochs must be > 0"),
+    (["--time-budget", "-3"], "time_budget must be > 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
+    (["--label-smoothing", "1.5"], r"label_smoothing must be in \[0, 1\)"),
+    (["--warmup", "1"], r"warmup must be in \[0, 1\)"),
+    (["--grad-clip", "-1"], "grad_clip must be >= 0"),
+    (["--translate", "-2"], "translate must be >= 0"),
+    (["--cutout", "-1"], "cutout must be >= 0"),
+    (["--limit-train", "0"], "limit_train must be > 0"),
+    (["--limit-test", "-5"], "limit_test must be > 0"),
+    (["--long-range-train", "0"], "long_range_train must be > 0"),
+    (["--eval-batch-size", "0"], "eval_batch_size must be > 0"),
+    (["--batch-size", "2.5"], "invalid int value"),
+    (["--vit-preset", "cnn_cifar"], "is a cnn preset, expected a vit one"),
+    (["--cnn-preset", "nope"], "unknown preset 'nope'"),
+    (["--resume", "runs/x", "--epochs", "3"], "drop --epochs"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_exit_2_with_one_message(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        T.cli([*argv, "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(message, err), err
+    assert "Traceback" not in err and not out.exists()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    extra = ["--no-progress"] if "--resume" in argv else ["--no-progress", "--no-plots"]
+    code = T.cli([str(a) for a in argv] + extra)
+    io = capsys.readouterr()
+    assert "Traceback" not in io.err + io.out
+    return code, io.err
+
+
+def test_bad_run_folders_are_refused_and_left_untouched(tmp_path, folder, capsys):
+    code, err = run_cli(capsys, "--resume", tmp_path / "nowhere")
+    assert code == 2 and "no such run folder" in err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    code, err = run_cli(capsys, "--resume", broken)
+    assert code == 2 and "no config.json" in err
+    (broken / "config.json").write_text("{not json")
+    code, err = run_cli(capsys, "--resume", broken)
+    assert code == 2 and "not valid JSON" in err and (broken / "config.json").read_text() == "{not json"
+    (broken / "config.json").write_text(json.dumps({"epochs": 1, "colour": "red"}))
+    code, err = run_cli(capsys, "--resume", broken)
+    assert code == 2 and "does not describe a run" in err
+    # a finished run is not overwritten by a new one pointed at the same folder
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
+    code, err = run_cli(capsys, "--data-dir", folder, "--out", cfg.out, "--model", "cnn")
+    assert code == 2 and "is not empty" in err and "--resume" in err
+    assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
+
+
+def test_a_truncated_checkpoint_is_named_and_kept(tmp_path, folder, capsys):
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    ck = Path(cfg.out) / "checkpoints" / "cnn.pt"
+    ck.write_bytes(ck.read_bytes()[:200])
+    damaged = ck.read_bytes()
+    code, err = run_cli(capsys, "--resume", cfg.out)
+    assert code == 2 and str(ck) in err and "unreadable" in err
+    assert ck.read_bytes() == damaged
+
+
+def test_images_of_another_size_build_the_vit_for_them_or_are_refused_up_front(tmp_path, capsys):
+    small = write_folder(tmp_path / "s16", n_train=4, n_test=2, size=16)
+    s = T.main(tiny(tmp_path / "a", small, model="vit", vit_preset="vit_cifar_small_patch4", epochs=1, batch_size=4))
+    assert s["status"] == "ok" and s["modules"]["vit"].config.img_size == (16, 16)  # a 4x4 grid of 4-px patches
+    odd = write_folder(tmp_path / "s30", n_train=4, n_test=2, size=30)
+    out = tmp_path / "b" / "run"
+    code, err = run_cli(capsys, "--data-dir", odd, "--out", out, "--model", "vit", "--epochs", 1)
+    assert code == 2 and "30x30" in err and "4x4 patches" in err and not out.exists()
+
+
+def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsys):
+    out = tmp_path / "run"
+    code, err = run_cli(capsys, "--data-dir", folder, "--out", out, "--model", "cnn", "--batch-size", 64)
+    assert code == 2 and "a batch of 64" in err and "36" in err and not out.exists()
+
+
+def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_path, folder):
+    """SIGKILL (no handler runs) while training: --resume continues from the last checkpoint and
+    ends where an uninterrupted run ends, each epoch logged once."""
+    epochs = 40
+    ref = T.main(tiny(tmp_path / "ref", folder, epochs=epochs))
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
+           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", str(epochs), "--batch-size", "12",
+           "--lr", "0.05", "--no-progress", "--no-plots", "--context-images", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    ck = out / "checkpoints" / "cnn.pt"
+    deadline = time.time() + 120
+    while not (ck.exists() and len(metrics(out)) >= 3):
+        assert time.time() < deadline and proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    state = torch.load(ck, weights_only=True)["state"]
+    assert not state["done"] and state["epoch"] < epochs
+    resumed = subprocess.run([sys.executable, str(ROOT / "train_cifar.py"), "--resume", str(out), "--no-progress"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming at epoch" in resumed.stdout
+    assert scores(metrics(out)) == scores(metrics(ref["out"]))
+    assert json.loads((out / "summary.json").read_text())["models"]["cnn"]["final_acc"] == \
+        ref["models"]["cnn"]["final_acc"]

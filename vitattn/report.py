@@ -124,7 +124,8 @@ def plot_context(out: Path, context: dict) -> Figure:
               title="Effective receptive field radius (Luo et al. 2016)")
     for a in ax:
         a.grid(alpha=0.3)
-        a.legend()
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
     return _save(fig, out / "context.png", "How far each layer looks: ViT mean attention distance per block and "
                  "head (left); ERF radius per ViT block and CNN stage on one pixel axis (right)")
 
