@@ -496,8 +496,9 @@ def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: d
             summary["models"][fam]["attention_distance_px"] = c["attention_distance"].tolist()
     figs = []
     if cfg.plots:
-        shown = ds.data.test_x[pick][:4].float() / 255
-        figs = report.write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context, shown)
+        shown = ds.data.test_x[pick][:16].float() / 255
+        figs = report.write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context, shown,
+                                  ds.data.test_y[pick][:16], ds.data.classes)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     report.write_report(out, summary, context, figs)
 

@@ -136,8 +136,8 @@ def test_both_models_train_and_every_output_appears(tmp_path, folder):
     s = T.main(cfg)
     out = Path(cfg.out)
     assert s["status"] == "ok"
-    for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "curves.png", "context.png",
-                 "erf.png", "attention.png", "checkpoints/vit.pt", "checkpoints/cnn.pt",
+    for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "examples.png", "curves.png",
+                 "context.png", "erf.png", "attention.png", "checkpoints/vit.pt", "checkpoints/cnn.pt",
                  "checkpoints/vit.safetensors", "checkpoints/cnn.safetensors"):
         assert (out / name).is_file(), name
     assert not list(out.rglob("*.tmp*"))

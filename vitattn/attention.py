@@ -24,8 +24,9 @@ additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attent
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
-kernel is the default wherever it computes the same thing; the measurements behind that choice
-are recorded below.
+kernel is the default wherever it computes the same thing: it was never slower in a whole
+training step and is faster without gradients at every length measured, without an N x N
+matrix (docs/performance.md).
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
@@ -43,19 +44,6 @@ from torch import nn
 from .helpers import Size2, to_2tuple
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
-
-# Why the fused kernel is the default (2-core AMD EPYC, AVX2, fp32, torch 2.14; docs/performance.md).
-# Attention alone (qkv -> attention -> (B, N, D), forward + backward, interleaved, best of 5), ms
-# per block, favours the explicit path for short sequences in training:
-#   B 128, N 65, 3 heads d 64:   explicit 21.1   SDPA 23.3   (SDPA math backend 25.4)
-#   B 128, N 65, 12 heads d 16:  explicit 33.9   SDPA 38.3   (math 47.0)
-#   B 32, N 197, 3 heads d 64:   explicit 33.5   SDPA 32.2
-# but in the whole training step (benchmarks/bench_vit.py --ablation, interleaved, medians) it
-# gained nothing: 70.7 vs 71.4 img/s (3 heads), 81.0 vs 82.5 (12 heads of 16), and it keeps the
-# N x N weights for backward (peak memory 965 vs 911 MB, 900 vs 678 MB). Without gradients the
-# fused kernel wins at every length: N 65: 6.0 vs 6.7 ms (d 64), 11.4 vs 13.2 (d 16); N 197: 10.5
-# vs 11.8; N 1025: 23.7 vs 34.0; N 4097: 183 vs 567 (and no N x N matrix). So: fused everywhere.
-
 
 def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
     """``(P + N, P + N)`` boolean mask, True where query i may attend to key j under window

@@ -124,8 +124,8 @@ class Block(nn.Module):
 
         Those tokens still attend to all ``N`` (keys and values come from every token), but no
         query, attention output, projection or MLP is computed for the other ``N - n``: equal to
-        ``forward(x)[:, :n]``. A class-token classifier needs nothing else from its last block,
-        which this makes 75-85% cheaper (``ViT.forward`` uses it). Global attention only.
+        ``forward(x)[:, :n]``. A class-token classifier needs nothing else from its last block
+        (``ViT.forward`` uses it). Global attention only.
         """
         if self.attn.window_size is not None:
             raise ValueError("forward_first needs global attention; this block uses window attention")

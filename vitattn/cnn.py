@@ -6,7 +6,7 @@ head. A convolution sees only its 3x3 neighbourhood, so the view of a unit widen
 layer; ``vitattn.context`` measures how far.
 
 Three details from airbench make the network take a high learning rate in a short run (the CIFAR
-presets turn them on; measured in docs/training.md): logits scaled by 1/9 (``head_scale``),
+presets turn them on; docs/training.md has the ablation): logits scaled by 1/9 (``head_scale``),
 BatchNorm learning only its shift (``bn_weight=False``), and each conv started as an identity on
 its first input channels (``dirac_init``), an implicit residual that lets the signal through
 every layer from the first step.
@@ -16,7 +16,7 @@ A fourth, ``stem='whiten'``, replaces the 3x3 stem with airbench's patch-whiteni
 scaled to unit variance, and their negatives (``whitening_filters``; set once from data by
 ``SmallCNN.init_stem``, then frozen; only its bias learns). Its outputs start decorrelated, so the
 first trainable conv sees a well-conditioned input; it also works on a 31x31 map without
-padding, which makes the network about a quarter cheaper.
+padding, which makes every later layer cheaper.
 
 References: Keller Jordan's airbench (``airbench94.py``), whose network this follows in shape.
 """

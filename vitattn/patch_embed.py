@@ -60,8 +60,8 @@ class PatchEmbed(nn.Module):
 
     The projection is stored as ``proj``, a ``Conv2d`` with kernel = stride = patch, so timm's
     ``patch_embed.proj.weight`` loads unchanged. Two paths compute it and a test holds them equal:
-    the convolution (``fast=True``, fastest on CPU when measured) and the readable
-    ``patchify`` + matrix product.
+    the convolution (``fast=True``, the default: one kernel, and the layout timm's weights load
+    into) and the readable ``patchify`` + matrix product (docs/performance.md compares them).
 
     Args:
         img_size: nominal input size; only used to size learned position tables.

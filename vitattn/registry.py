@@ -35,7 +35,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                  "no class token"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                            mlp_ratio=2.0, num_classes=10),
-                               "vitattn: vit_cifar_patch4 at width 128, ~0.8M params, ~1.8x the images/s on a CPU"),
+                               "vitattn: vit_cifar_patch4 at width 128, ~0.8M params: more epochs per CPU minute"),
     "vit_cifar_lee_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=12,
                                          mlp_ratio=2.0, num_classes=10),
                              "Lee et al. 2021, 'ViT for small-size datasets' baseline (2.7M params)"),
@@ -43,14 +43,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                      mlp_ratio=2.0, num_classes=10),
                          "vitattn: 16x16 tokens, finer patches at 4x the attention cost"),
     # The CNN baseline, with airbench's training-friendly details: a 1/9 head scale, BatchNorm
-    # shifts only, identity-started convs (measured in docs/training.md, tuning runs cnn3-cnn6).
+    # shifts only, identity-started convs, which let it take a high lr in a short run.
     "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, **_AIRBENCH),
                   "airbench94's network shape (Jordan 2024), ~2M params"),
     "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params, 56% of its FLOPs"),
+                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params"),
     "cnn_cifar_whiten": ("cnn", dict(stem="whiten", stem_width=24, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                         "vitattn: cnn_cifar_fast's stages after airbench's frozen 2x2 whitening stem (31x31 maps), "
-                         "~1.2M params, 76% of its FLOPs (131 vs 172 MFLOP per image)"),
+                         "vitattn: cnn_cifar_fast's stages after airbench's frozen 2x2 whitening stem "
+                         "(31x31 maps, so every later layer is cheaper), ~1.2M params"),
     "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
                         "vitattn: a quarter-width cnn_cifar for quick runs"),
 }

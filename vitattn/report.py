@@ -179,10 +179,26 @@ def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
                  "class token (the centre patch without one) looks, in the first and last block")
 
 
-def write_plots(out: Path, metrics: list[dict], results: dict, context: dict,
-                images: torch.Tensor) -> list[Figure]:
-    """Every figure of a run; ``images``: four or more test images ``(B, 3, H, W)`` in [0, 1]."""
-    figs = [plot_curves(out, metrics, list(results)), plot_context(out, context), plot_erf(out, context)]
+def plot_examples(out: Path, images: torch.Tensor, labels: torch.Tensor, classes, n: int = 16) -> Figure:
+    """A grid of test images ``(B, 3, H, W)`` in [0, 1] with their class names: what the task is."""
+    n = min(n, len(images))
+    cols = min(8, n)
+    rows = -(-n // cols)
+    fig, ax = _pyplot().subplots(rows, cols, figsize=(1.4 * cols, 1.55 * rows), squeeze=False)
+    for i, a in enumerate(ax.flat):
+        a.axis("off")
+        if i < n:
+            a.imshow(images[i].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+            a.set_title(str(classes[int(labels[i])]), fontsize=8)
+    return _save(fig, out / "examples.png", "Test images and their labels")
+
+
+def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, images: torch.Tensor,
+                labels: torch.Tensor, classes) -> list[Figure]:
+    """Every figure of a run; ``images``: test images ``(B, 3, H, W)`` in [0, 1] (four or more)
+    with their ``labels`` and the ``classes``' names."""
+    figs = [plot_examples(out, images, labels, classes), plot_curves(out, metrics, list(results)),
+            plot_context(out, context), plot_erf(out, context)]
     by_distance = {f: r for f, r in results.items() if "accuracy_by_distance" in r}
     if by_distance:
         figs.append(plot_distance(out, by_distance))

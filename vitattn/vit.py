@@ -236,9 +236,8 @@ class ViT(nn.Module):
 
         With a class-token head the last block's outputs for the patch tokens are never read,
         so the last block runs for the class token alone (``Block.forward_first``): the same
-        numbers (held equal by a test, gradients included) for 75-85% less work in that block:
-        6.7% fewer FLOPs for ``vit_tiny_patch16_224``, 12% for ``vit_cifar_small_patch4``.
-        Other heads take the readable path.
+        numbers (held equal by a test, gradients included) for most of that block's work less
+        (counted in docs/performance.md). Other heads take the readable path.
         """
         if self.global_pool != "token" or self.blocks[-1].attn.window_size is not None:
             return self.forward_head(self.forward_features(x))
