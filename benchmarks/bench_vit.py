@@ -14,9 +14,9 @@ and its share of a fp32 matmul peak measured in the same run, and the peak memor
     python benchmarks/bench_vit.py --cases cifar_train --repeats 3 --iters 1        # quick look
     flock /tmp/vitattn-cpu.lock python benchmarks/bench_vit.py --compile --cases cifar_train tiny_infer
 
-Cases (issue 5): (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
+Cases: (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
 (d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built
-from ``train_cifar``'s and ``vitattn.data``'s public pieces, see ``case_d``). ``--ablation`` adds
+from ``vitattn.train``'s and ``vitattn.data``'s pieces, see ``case_d``). ``--ablation`` adds
 vitattn with one speed choice undone (the explicit attention path; the full last block instead of
 the class-token shortcut), to show what each buys.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-memory", action="store_true", help="skip the profiled peak-memory step")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown files")
-    p.add_argument("--tag", default=None, help="file name stem; default from the date and mode")
+    p.add_argument("--tag", default=None, help="file name stem; default: the cases, mode, rounds and CPU")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -455,7 +456,9 @@ def main(argv: list[str] | None = None) -> dict:
                   rows=rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or time.strftime("%Y%m%d-%H%M%S") + ("-compiled" if args.compile else "")
+    cpu = "".join(c for c in platform.processor() or platform.machine() if c.isalnum())[:12] or "cpu"
+    tag = args.tag or "_".join([*args.cases, "compiled" if args.compile else "eager", f"{args.repeats}rounds",
+                                f"{cpu}{os.cpu_count()}"])
     (out / f"{tag}.json").write_text(json.dumps(result, indent=1))
     (out / f"{tag}.md").write_text(
         f"{env['cpu']}, {env['threads']} threads, torch {env['versions']['torch']}, timm {env['versions']['timm']}, "
