@@ -133,18 +133,18 @@ class Config:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+            v, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
             if "choices" in f.metadata and v not in f.metadata["choices"]:
-                raise UsageError(f"{f.name} must be one of {f.metadata['choices']}, got {v!r}")
+                raise UsageError(f"{flag} must be one of {f.metadata['choices']}, got {v!r}")
             if v is None or isinstance(v, bool | str):
                 continue
             if "int" in f.type and not isinstance(v, int):
-                raise UsageError(f"{f.name} must be a whole number, got {v!r}")
+                raise UsageError(f"{flag} must be a whole number, got {v!r}")
             bad = ((f.name in self.POSITIVE and not v > 0) or (f.name in self.NON_NEGATIVE and not v >= 0)
                    or (f.name in self.FRACTION and not 0 <= v < 1))
             if bad:
                 want = "> 0" if f.name in self.POSITIVE else ">= 0" if f.name in self.NON_NEGATIVE else "in [0, 1)"
-                raise UsageError(f"{f.name} must be {want}, got {v!r}")
+                raise UsageError(f"{flag} must be {want}, got {v!r}")
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
         self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
         for family in ("vit", "cnn"):
@@ -152,7 +152,7 @@ class Config:
             if preset not in vitattn.PRESETS:
                 raise UsageError(f"unknown preset {preset!r}; available: {', '.join(vitattn.list_models())}")
             if vitattn.PRESETS[preset][0] != family:
-                raise UsageError(f"{family}_preset={preset!r} is a {vitattn.PRESETS[preset][0]} preset, "
+                raise UsageError(f"--{family}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
                                  f"expected a {family} one")
 
     def models(self) -> list[str]:
@@ -531,8 +531,11 @@ def main(config: Config) -> dict:
     is written."""
     t0 = time.perf_counter()
     cfg = resumed_config(config) if config.resume else config
-    dd = setup_distributed(pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0"))))
-    dev = pick_device(cfg.device, dd.local_rank)
+    try:
+        dd = setup_distributed(pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0"))))
+        dev = pick_device(cfg.device, dd.local_rank)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     out = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
