@@ -52,6 +52,7 @@ from vitattn.data import (
     pipeline_speed,
     step_generator,
 )
+from vitattn.helpers import to_2tuple
 from vitattn.train import (
     DATASET_RECIPES,
     DEFAULT_PRESETS,
@@ -128,7 +129,7 @@ class Config:
 
     POSITIVE = ("epochs", "time_budget", "lr", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
-    NON_NEGATIVE = ("weight_decay", "grad_clip", "translate", "cutout")
+    NON_NEGATIVE = ("weight_decay", "grad_clip", "translate", "cutout", "seed")
     FRACTION = ("warmup", "label_smoothing")  # in [0, 1)
 
     def __post_init__(self) -> None:
@@ -145,6 +146,8 @@ class Config:
             if bad:
                 want = "> 0" if f.name in self.POSITIVE else ">= 0" if f.name in self.NON_NEGATIVE else "in [0, 1)"
                 raise UsageError(f"{flag} must be {want}, got {v!r}")
+        if self.seed >= 2**32:
+            raise UsageError(f"--seed must be below 2**32, got {self.seed}")
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
         self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
         for family in ("vit", "cnn"):
@@ -213,8 +216,7 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     size = tuple(data.train_x.shape[-2:])
     over: dict[str, Any] = {"num_classes": len(data.classes)}
     if family == "vit":
-        patch = vitattn.get_config(preset).patch_size
-        patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        patch = to_2tuple(vitattn.get_config(preset).patch_size)
         if size[0] % patch[0] or size[1] % patch[1]:
             raise UsageError(f"the images are {size[0]}x{size[1]}, which {preset}'s {patch[0]}x{patch[1]} patches "
                              "do not tile; choose a ViT preset whose patch size divides the image size")

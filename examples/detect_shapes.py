@@ -37,9 +37,9 @@ from torch import nn
 from torchvision.ops import box_iou
 
 import vitattn
-from vitattn.detection import ViTDetBackbone, build_detector, coco_map
+from vitattn.detection import ViTDetBackbone, build_detector, coco_map, train_detector
 from vitattn.longrange import textured_background
-from vitattn.train import count_params, environment, get_lr, param_groups
+from vitattn.train import count_params, environment
 
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = ("circle", "square", "triangle", "cross")  # labels 1..4; 0 is the background
@@ -166,32 +166,11 @@ def make_detector(backbone: nn.Module, c: Config) -> nn.Module:
 
 
 # -- training ---------------------------------------------------------------------------------
-def train(model: nn.Module, c: Config, log_every: int = 25) -> dict:
+def train(model: nn.Module, c: Config) -> dict:
     g = torch.Generator().manual_seed(c.seed + 1)  # the same training stream for every backbone
-    opt = torch.optim.AdamW(param_groups(model, c.weight_decay), lr=c.lr)
-    model.train()
-    history, steps, spent = [], 0, 0.0
-    while spent < c.budget_s:
-        images, targets = make_batch(g, c, c.batch_size)  # outside the budget, as a loader would overlap it
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = get_lr(spent / c.budget_s, c.lr, c.warmup_frac, "cosine")
-        losses = model(images, targets)
-        loss = sum(losses.values())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        opt.step()
-        spent += time.perf_counter() - t0
-        steps += 1
-        history.append(float(loss.detach()))
-        if steps % log_every == 0:
-            recent = sum(history[-log_every:]) / log_every
-            print(f"  step {steps:4d}  {spent:6.0f}s  loss {recent:.3f}  "
-                  + "  ".join(f"{k} {float(v.detach()):.3f}" for k, v in losses.items()), flush=True)
-    return {"steps": steps, "train_s": spent, "images_seen": steps * c.batch_size,
-            "loss_first25": sum(history[:25]) / min(25, len(history)),
-            "loss_last25": sum(history[-25:]) / min(25, len(history))}
+    stats = train_detector(model, lambda: make_batch(g, c, c.batch_size), budget_s=c.budget_s, lr=c.lr,
+                           weight_decay=c.weight_decay, warmup=c.warmup_frac, grad_clip=c.grad_clip)
+    return {**stats, "images_seen": stats["steps"] * c.batch_size}
 
 
 @torch.no_grad()
@@ -265,7 +244,7 @@ def main(c: Config, figure_path: Path | None = None, results_path: Path | None =
                      map=metrics["map"], map_50=metrics["map_50"], map_75=metrics["map_75"],
                      ap_per_class={CLASSES[k - 1]: v for k, v in metrics["per_class"].items()})
         print(f"{name}: {stats['steps']} steps, mAP {stats['map']:.3f}, mAP@0.5 {stats['map_50']:.3f}, "
-              f"loss {stats['loss_first25']:.3f} -> {stats['loss_last25']:.3f}", flush=True)
+              f"loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f}", flush=True)
         results[name] = stats
         preds_by_name[name] = preds
     report = {

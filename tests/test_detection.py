@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from coco_oracle import average_precision, coco_map_reference  # noqa: E402
+from coco_oracle import average_precision, coco_map_reference
 
 from vitattn import ViT, resample_abs_pos_embed
 from vitattn.detection import (
@@ -16,6 +16,7 @@ from vitattn.detection import (
     build_detector,
     coco_map,
     set_window_attention,
+    train_detector,
     vitdet_window_blocks,
 )
 
@@ -196,6 +197,17 @@ def test_detector_train_step_and_eval(kind):
         assert o["boxes"].shape == (n, 4) and o["labels"].shape == (n,) and o["scores"].shape == (n,)
         h, w = img.shape[1:]
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
+
+
+def test_train_detector_lowers_the_loss_on_one_repeated_batch():
+    torch.manual_seed(0)
+    model = small_detector("fcos", tiny_vit(depth=2))
+    images, targets = batch()
+    stats = train_detector(model, lambda: (images, targets), budget_s=4.0, lr=2e-3, log_every=3)
+    assert stats["steps"] >= 6 and stats["train_s"] >= 4.0
+    assert stats["loss_last"] < stats["loss_first"]  # it learns the batch
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        train_detector(model, lambda: (images, targets), budget_s=0)
 
 
 class TwoLevels(torch.nn.Module):

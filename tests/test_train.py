@@ -334,6 +334,8 @@ BAD_OPTIONS = [
     (["--cnn-preset", "nope"], "unknown preset 'nope'"),
     (["--resume", "runs/x", "--epochs", "3"], "drop .*--epochs"),
     (["--device", "tpu"], "not a device torch knows"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", str(2**70)], r"--seed must be below 2\*\*32"),
 ]
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -299,6 +299,56 @@ def build_detector(
     mask_pool = MultiScaleRoIAlign(names, output_size=14, sampling_ratio=2)
     return MaskRCNN(backbone, num_classes, rpn_anchor_generator=anchors, box_roi_pool=box_pool,
                     mask_roi_pool=mask_pool, **detector_kwargs)
+
+
+# -- training ---------------------------------------------------------------------------------
+def train_detector(
+    model: nn.Module,
+    next_batch: Callable[[], tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]],
+    *,
+    budget_s: float,
+    lr: float = 1e-3,
+    weight_decay: float = 0.05,
+    warmup: float = 0.05,
+    grad_clip: float = 1.0,
+    log_every: int = 25,
+) -> dict[str, Any]:
+    """Train a torchvision detector for ``budget_s`` seconds of training steps.
+
+    ``next_batch()`` returns ``(images, targets)`` in torchvision's format; drawing it is outside
+    the budget (a loader would overlap it). AdamW on :func:`vitattn.train.param_groups`, the lr
+    warmed up linearly then cosine to 0 over the fraction of the budget spent
+    (:func:`vitattn.train.get_lr`), gradients clipped to ``grad_clip``. Returns steps, seconds and
+    the mean loss of the first and last ``log_every`` steps.
+    """
+    import time
+
+    from .train import get_lr, param_groups
+
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+    model.train()
+    history, spent = [], 0.0
+    while spent < budget_s:
+        images, targets = next_batch()
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = get_lr(spent / budget_s, lr, warmup, "cosine")
+        losses = model(images, targets)
+        loss = sum(losses.values())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        spent += time.perf_counter() - t0
+        history.append(float(loss.detach()))
+        if len(history) % log_every == 0:
+            print(f"  step {len(history):4d}  {spent:6.0f}s  loss {sum(history[-log_every:]) / log_every:.3f}  "
+                  + "  ".join(f"{k} {float(v.detach()):.3f}" for k, v in losses.items()), flush=True)
+    n = min(log_every, len(history))
+    return {"steps": len(history), "train_s": spent, "loss_first": sum(history[:n]) / n,
+            "loss_last": sum(history[-n:]) / n}
 
 
 # -- evaluation -------------------------------------------------------------------------------
