@@ -22,7 +22,7 @@ exist before the mark, so the figure is activations and temporaries). The
 subprocess fixes glibc's mmap threshold at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that tensors
 freed by the warm-up go back to the kernel instead of staying in the heap and hiding the peak.
 
-    flock /tmp/vitattn-cpu.lock python benchmarks/bench_detection.py              # ~5 min
+    python benchmarks/bench_detection.py              # ~5 min
     python benchmarks/bench_detection.py --sizes 256 --repeats 1                   # quick look
 
 Writes ``benchmarks/results/detection.json`` and ``.md``.

@@ -12,7 +12,7 @@ backward, update; the learning-rate schedule runs on the fraction of the budget 
 end their schedule). Drawing the data and the evaluation are outside the budget. Metrics: COCO
 mAP (IoU 0.50:0.95) and mAP@0.5 with ``vitattn.detection.coco_map``.
 
-    flock /tmp/vitattn-cpu.lock python examples/detect_shapes.py                 # ~14 min on 2 cores
+    python examples/detect_shapes.py                 # ~14 min on 2 cores
     python examples/detect_shapes.py --budget 20 --val-images 16 --no-figure      # smoke run
 
 Writes ``docs/results/detect_shapes.json`` (config, versions, hardware, results) and
