@@ -541,8 +541,9 @@ def main(config: Config) -> dict:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     out = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if not cfg.resume and out.exists() and any(out.iterdir()):
-        raise UsageError(f"run folder {out} is not empty; continue it with --resume {out} or choose another --out")
+    if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} is not a new or empty folder; continue a run there with --resume {out} "
+                         "or choose another --out")
     log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
     try:
         ds = load_dataset(cfg)

@@ -377,8 +377,12 @@ def test_bad_run_folders_are_refused_and_left_untouched(tmp_path, folder, capsys
     T.main(cfg)
     before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
     code, err = run_cli(capsys, "--data-dir", folder, "--out", cfg.out, "--model", "cnn")
-    assert code == 2 and "is not empty" in err and "--resume" in err
+    assert code == 2 and "is not a new or empty folder" in err and "--resume" in err
     assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    code, err = run_cli(capsys, "--data-dir", folder, "--out", a_file, "--model", "cnn")
+    assert code == 2 and "not a new or empty folder" in err and a_file.read_text() == "keep me"
 
 
 def test_a_truncated_checkpoint_is_named_and_kept(tmp_path, folder, capsys):
