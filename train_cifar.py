@@ -53,6 +53,7 @@ from vitattn.data import (
     step_generator,
 )
 from vitattn.helpers import to_2tuple
+from vitattn.longrange import ATTRIBUTES, CLASSES, accuracy_by_distance, make_long_range
 from vitattn.train import (
     DATASET_RECIPES,
     DEFAULT_PRESETS,
@@ -99,6 +100,8 @@ class Config:
     dataset: str = option("cifar10", "'long-range' is generated, no download", choices=("cifar10", "long-range"))
     data_dir: str = option("./data", "cifar-10-batches-py folder, ImageFolder tree, or .tar.gz of one")
     download: bool = option(False, "fetch CIFAR-10 through torchvision when --data-dir has none")
+    long_range_task: str = option("colour", "the long-range label: 'colour' / 'shape' (do the marks match?) or "
+                                  "'pointing' (does the arrow point at the plus?)", choices=ATTRIBUTES)
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only the first N training images")
@@ -187,12 +190,11 @@ class Dataset:
 def load_dataset(cfg: Config) -> Dataset:
     distance = None
     if cfg.dataset == "long-range":
-        from vitattn.longrange import LONG_RANGE_CLASSES, make_long_range
-
-        tr = make_long_range(cfg.long_range_train, seed=cfg.seed)
-        te = make_long_range(cfg.long_range_test, seed=cfg.seed + 1_000_000)  # a disjoint stream
-        data = ImageData(tr["images"], tr["labels"], te["images"], te["labels"], LONG_RANGE_CLASSES,
-                         "generated long-range task")
+        task = cfg.long_range_task
+        tr = make_long_range(cfg.long_range_train, seed=cfg.seed, attribute=task)
+        te = make_long_range(cfg.long_range_test, seed=cfg.seed + 1_000_000, attribute=task)  # a disjoint stream
+        data = ImageData(tr["images"], tr["labels"], te["images"], te["labels"], CLASSES[task],
+                         f"generated long-range task ({task})")
         distance = te["distance"]
     else:
         data = load_cifar(cfg.data_dir, download=cfg.download)
@@ -473,8 +475,6 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if ds.test_distance is not None:
-        from vitattn.longrange import accuracy_by_distance
-
         result["accuracy_by_distance"] = accuracy_by_distance(final["hits"], ds.test_distance)
     if dd.main:
         run.save(result)

@@ -246,3 +246,43 @@ def test_accuracy_by_distance_bins():
     out = accuracy_by_distance(correct, dist, edges=(0, 10, 25, 40))
     assert out["count"] == [2, 1, 1] and out["accuracy"] == [0.5, 1.0, 1.0]
 
+
+
+def test_pointing_task_is_decided_by_the_relation_alone():
+    """The 'pointing' label is where the plus lies relative to where the arrow points; the arrow
+    alone, the plus alone and the pair of appearances hold both labels equally."""
+    from vitattn.longrange import ARROW_DIRECTIONS, ARROW_GLYPHS, POINTING_CLASSES
+
+    s = make_long_range_specs(12000, seed=5, attribute="pointing")
+    y = s["labels"].float()
+    assert y.sum() == 6000 and POINTING_CLASSES[1] == "towards"
+    arrow, plus = s["centres"][:, 0], s["centres"][:, 1]
+    along = ((plus - arrow) * ARROW_DIRECTIONS[s["direction"]]).sum(1).float()
+    across = ((plus - arrow) - along[:, None].long() * ARROW_DIRECTIONS[s["direction"]]).abs().amax(1)
+    assert torch.equal((along > 0).long(), s["labels"]) and (along.abs() >= across).all()  # in a cone
+    assert torch.equal(s["shapes"][:, 0], ARROW_GLYPHS[s["direction"]]) and (s["shapes"][:, 1] == 0).all()
+    assert s["distance"].min() >= 3.5 and s["distance"].max() <= 19.6
+    assert abs(s["distance"][y == 1].mean() - s["distance"][y == 0].mean()) < 0.3
+    cells = {
+        "arrow: direction x row band x col band": s["direction"] * 16 + (arrow[:, 0] // 8) * 4 + arrow[:, 1] // 8,
+        "arrow: direction x colour": s["direction"] * 6 + s["colours"][:, 0],
+        "plus: row band x col band": (plus[:, 0] // 8) * 4 + plus[:, 1] // 8,
+        "plus: colour": s["colours"][:, 1],
+        "pair of appearances: direction x both colours": s["direction"] * 36 + s["colours"][:, 0] * 6
+        + s["colours"][:, 1],
+    }
+    for what, cell in cells.items():
+        for v in cell.unique():
+            sel = cell == v
+            n = int(sel.sum())
+            if n >= 40:  # 4 standard errors of a fair coin, or 0.08, whichever is larger
+                tol = max(0.08, 4 * 0.5 / n**0.5)
+                assert abs(y[sel].mean() - 0.5) < tol, (what, int(v), float(y[sel].mean()), n)
+    img = render_long_range(s)[:20]
+    for i in range(20):
+        r, c = arrow[i].tolist()
+        on = GLYPHS[s["shapes"][i, 0]]
+        assert (img[i, :, r - 1:r + 2, c - 1:c + 2].permute(1, 2, 0)[on]
+                == MARK_COLOURS[s["colours"][i, 0]].to(torch.uint8)).all()
+    with pytest.raises(ValueError, match="pointing task takes distances"):
+        make_long_range_specs(10, seed=0, attribute="pointing", distances=24)

@@ -194,6 +194,13 @@ def test_long_range_reports_accuracy_against_distance(tmp_path):
     assert "Accuracy against mark distance" in (Path(s["out"]) / "report.md").read_text()
 
 
+def test_the_pointing_task_runs_end_to_end(tmp_path):
+    s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_task="pointing", long_range_train=96,
+                    long_range_test=64, epochs=1))
+    assert s["classes"] == ["away", "towards"] and "pointing" in s["data_source"]
+    assert sum(s["models"]["cnn"]["accuracy_by_distance"]["count"]) == 64
+
+
 # -- nothing lost ----------------------------------------------------------------------------
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3))

@@ -47,13 +47,31 @@ GLYPHS = torch.tensor([
     [[1, 0, 0], [1, 0, 0], [1, 1, 1]],  # ell
 ], dtype=torch.bool)
 GLYPH_NAMES = ("plus", "cross", "tee", "ell")
+NUM_SHAPES = len(GLYPHS)  # the shapes the 'colour' and 'shape' tasks draw from
+
+
+def _stem(glyph: torch.Tensor) -> tuple[int, int]:
+    """The way a tee's stem points, ``(drow, dcol)``: from its centre of mass to the glyph centre."""
+    rows, cols = glyph.nonzero(as_tuple=True)
+    return (int(torch.sign(1 - rows.float().mean())), int(torch.sign(1 - cols.float().mean())))
+
+
+# 'pointing': the tee in its four orientations is an arrow along its stem; the plus is the target.
+_TEES = [torch.rot90(GLYPHS[2], k) for k in range(4)]
+GLYPHS = torch.cat([GLYPHS, torch.stack(_TEES[1:])])
+GLYPH_NAMES = (*GLYPH_NAMES, "tee-1", "tee-2", "tee-3")
+ARROW_GLYPHS = torch.tensor([2, NUM_SHAPES, NUM_SHAPES + 1, NUM_SHAPES + 2])  # indices into GLYPHS
+ARROW_DIRECTIONS = torch.tensor([_stem(t) for t in _TEES])  # (4, 2): where each arrow points
+POINTING_CLASSES = ("away", "towards")
+CLASSES = {"colour": LONG_RANGE_CLASSES, "shape": LONG_RANGE_CLASSES, "pointing": POINTING_CLASSES}
+POINTING_DISTANCE_RANGE = (4.0, 19.0)  # both A + o and A - o must fit: |o| up to ~20 px
 
 # Saturated mark colours, well outside the muted background range (below).
 MARK_COLOURS = torch.tensor([
     [240, 40, 40], [40, 220, 60], [50, 90, 250], [250, 220, 30], [230, 50, 230], [30, 230, 230],
 ], dtype=torch.float32)
 
-ATTRIBUTES = ("colour", "shape")
+ATTRIBUTES = ("colour", "shape", "pointing")
 DEFAULT_DISTANCE_RANGE = (4.0, 28.0)
 MIN_DISTANCE = 3.5  # closer centres would make the 3x3 glyphs overlap
 
@@ -90,9 +108,10 @@ def textured_background(n: int, img_size: int, gen: torch.Generator) -> torch.Te
     return (grey + 60 * blobs + 14 * stripes + 12 * noise).clamp(0, 255)
 
 
-def _target_distances(num: int, distances, gen: torch.Generator) -> torch.Tensor:
+def _target_distances(num: int, distances, gen: torch.Generator,
+                      default_range: tuple[float, float] = DEFAULT_DISTANCE_RANGE) -> torch.Tensor:
     if distances is None:
-        lo, hi = DEFAULT_DISTANCE_RANGE
+        lo, hi = default_range
         return lo + (hi - lo) * torch.rand(num, generator=gen)
     values = torch.as_tensor([distances] if isinstance(distances, (int, float)) else list(distances),
                              dtype=torch.float32)
@@ -121,7 +140,8 @@ def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
     """Everything about each image except its pixels: ``labels``, ``shapes`` ``(n, 2)``, ``colours``
     ``(n, 2)`` (indices into ``GLYPHS`` / ``MARK_COLOURS``), ``centres`` ``(n, 2, 2)`` (row, col of
     each mark centre), ``distance``. ``attribute``: what must match for ``same``, ``'colour'`` or
-    ``'shape'`` (the other one is drawn independently per mark). Deterministic for a seed."""
+    ``'shape'`` (the other one is drawn independently per mark), or ``'pointing'``, the relation
+    task (:func:`_pointing_specs`; labels index ``POINTING_CLASSES``). Deterministic for a seed."""
     if num < 1:
         raise ValueError(f"num must be >= 1, got {num}")
     if img_size < 8:
@@ -130,7 +150,10 @@ def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
     labels = (torch.arange(num) % 2)[torch.randperm(num, generator=gen)]  # balanced to within one
     if attribute not in ATTRIBUTES:
         raise ValueError(f"attribute must be one of {ATTRIBUTES}, got {attribute!r}")
-    shapes = _pair_up(torch.randint(len(GLYPHS), (num,), generator=gen), labels, len(GLYPHS), gen,
+    if attribute == "pointing":
+        target = _target_distances(num, distances, gen, POINTING_DISTANCE_RANGE)
+        return _pointing_specs(labels, target, img_size, gen, seed)
+    shapes = _pair_up(torch.randint(NUM_SHAPES, (num,), generator=gen), labels, NUM_SHAPES, gen,
                       matched=attribute == "shape")
     colours = _pair_up(torch.randint(len(MARK_COLOURS), (num,), generator=gen), labels, len(MARK_COLOURS), gen,
                        matched=attribute == "colour")
@@ -153,6 +176,47 @@ def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
     centres = torch.stack([c1, c1 + offsets], 1)
     return dict(labels=labels, shapes=shapes, colours=colours, centres=centres,
                 distance=offsets.float().norm(dim=1), seed=torch.tensor(seed))
+
+
+def _pointing_specs(labels: torch.Tensor, target: torch.Tensor, img_size: int, gen: torch.Generator,
+                    seed: int) -> dict[str, torch.Tensor]:
+    """The relation task: mark 0 is an arrow (a tee, pointing along its stem in one of four
+    directions), mark 1 a plus; ``towards`` (1) when the plus lies in the arrow's 90-degree cone,
+    ``away`` (0) when it lies in the opposite cone.
+
+    Closed by construction: the offset ``o`` from arrow to plus is drawn from the ring at the
+    target distance, in the label's cone, among offsets for which *both* ``A + o`` and ``A - o``
+    fit, and the arrow's centre ``A`` uniformly where both do. The two labels' offsets are then
+    mirror images (``o`` and ``-o``) over the same places, so the arrow alone (where it is, where
+    it points, its colour), the plus alone (where it is, averaged over the four directions), and
+    the pair of appearances have one distribution in both classes: only where the plus is
+    *relative to where the arrow points* decides the label.
+    """
+    num = len(labels)
+    direction = torch.randint(4, (num,), generator=gen)
+    colours = torch.randint(len(MARK_COLOURS), (num, 2), generator=gen)
+    side = ARROW_DIRECTIONS[direction] * (2 * labels - 1)[:, None]  # the cone's axis, (n, 2)
+    reach = (img_size - 3) // 2  # |o| per axis for which A - o and A + o both fit
+    offsets = torch.empty(num, 2, dtype=torch.long)
+    keys = (target * 2).round() / 2
+    for key in keys.unique().tolist():
+        ring = _ring_offsets(key, img_size)
+        ring = ring[ring.abs().amax(1) <= reach]
+        for axis in {tuple(a) for a in side[keys == key].tolist()}:
+            sel = ((keys == key) & (side == torch.tensor(axis)).all(1)).nonzero().flatten()
+            along = (ring * torch.tensor(axis)).sum(1)
+            cone = ring[along >= (ring - along[:, None] * torch.tensor(axis)).abs().amax(1)]
+            if len(cone) == 0:
+                raise ValueError(f"no arrow-and-target placement {key:.1f} px apart fits in a {img_size}x"
+                                 f"{img_size} image; the pointing task takes distances in "
+                                 f"[{MIN_DISTANCE}, {POINTING_DISTANCE_RANGE[1]:g}]")
+            offsets[sel] = cone[torch.randint(len(cone), (len(sel),), generator=gen)]
+    lo = 1 + offsets.abs()  # the same box for o and -o
+    hi = img_size - 2 - offsets.abs()
+    arrow = lo + (torch.rand(num, 2, generator=gen) * (hi - lo + 1)).long()
+    shapes = torch.stack([ARROW_GLYPHS[direction], torch.zeros_like(direction)], 1)  # arrow, plus
+    return dict(labels=labels, shapes=shapes, colours=colours, centres=torch.stack([arrow, arrow + offsets], 1),
+                distance=offsets.float().norm(dim=1), direction=direction, seed=torch.tensor(seed))
 
 
 def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
