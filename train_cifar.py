@@ -153,13 +153,13 @@ class Config:
             raise UsageError(f"--seed must be below 2**32, got {self.seed}")
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
         self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
-        for family in ("vit", "cnn"):
-            preset = getattr(self, f"{family}_preset")
+        for slot, families in (("vit", ("vit",)), ("cnn", ("cnn", "bof"))):  # the CNN slot takes its control too
+            preset = getattr(self, f"{slot}_preset")
             if preset not in vitattn.PRESETS:
                 raise UsageError(f"unknown preset {preset!r}; available: {', '.join(vitattn.list_models())}")
-            if vitattn.PRESETS[preset][0] != family:
-                raise UsageError(f"--{family}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
-                                 f"expected a {family} one")
+            if vitattn.PRESETS[preset][0] not in families:
+                raise UsageError(f"--{slot}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
+                                 f"expected a {' or '.join(families)} one")
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]

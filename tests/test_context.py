@@ -286,3 +286,21 @@ def test_pointing_task_is_decided_by_the_relation_alone():
                 == MARK_COLOURS[s["colours"][i, 0]].to(torch.uint8)).all()
     with pytest.raises(ValueError, match="pointing task takes distances"):
         make_long_range_specs(10, seed=0, attribute="pointing", distances=24)
+
+
+def test_bag_of_local_features_control_sees_5x5_and_forgets_where():
+    import vitattn
+
+    torch.manual_seed(0)
+    m = vitattn.create_model("bof_local").eval()
+    x = torch.randn(4, 3, 32, 32)
+    assert m(x).shape == (4, 2)
+    fields = effective_receptive_field(m, x)
+    assert [f["name"] for f in fields] == ["stages.0", "stages.1"]
+    support = fields[1]["grad"] > 0
+    rows, cols = support.nonzero(as_tuple=True)
+    assert (rows.max() - rows.min() + 1, cols.max() - cols.min() + 1) == (5, 5)  # two 3x3 convs
+    f = m.forward_features(x)
+    perm = torch.randperm(32 * 32, generator=torch.Generator().manual_seed(0))
+    shuffled = f.flatten(2)[..., perm].view_as(f)
+    torch.testing.assert_close(m.forward_head(shuffled), m.forward_head(f))  # the head reads a bag

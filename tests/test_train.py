@@ -196,8 +196,9 @@ def test_long_range_reports_accuracy_against_distance(tmp_path):
 
 def test_the_pointing_task_runs_end_to_end(tmp_path):
     s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_task="pointing", long_range_train=96,
-                    long_range_test=64, epochs=1))
+                    long_range_test=64, epochs=1, cnn_preset="bof_local"))  # the CNN slot takes the control
     assert s["classes"] == ["away", "towards"] and "pointing" in s["data_source"]
+    assert s["models"]["cnn"]["preset"] == "bof_local" and len(s["models"]["cnn"]["erf_radius_px"]) == 2
     assert sum(s["models"]["cnn"]["accuracy_by_distance"]["count"]) == 64
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from .bof import BagOfFeaturesConfig, BagOfLocalFeatures
 from .cnn import CNNConfig, SmallCNN
 from .vit import ViT, ViTConfig
 
@@ -53,9 +54,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                          "(31x31 maps, so every later layer is cheaper), ~1.2M params"),
     "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
                         "vitattn: a quarter-width cnn_cifar for quick runs"),
+    # The control for the long-range task: local features pooled without their positions.
+    "bof_local": ("bof", dict(width=64, hidden=64, num_classes=2),
+                  "vitattn: two 3x3 convs, global mean + max pool, an MLP (a BagNet-style control)"),
 }
 
-_FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig)}
+_FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}
 
 
 def list_models(pattern: str = "*") -> list[str]:
