@@ -526,13 +526,8 @@ def resumed_config(config: Config) -> Config:
         raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
 
 
-def main(config: Config) -> dict:
-    """Train, measure and report; returns the summary dict with the trained modules under
-    ``'modules'``. ``status`` is 'ok', 'interrupted' or 'nan' (those two raise nothing). Bad
-    options, data or run folders raise UsageError / DataError / CheckpointError before anything
-    is written."""
-    t0 = time.perf_counter()
-    cfg = resumed_config(config) if config.resume else config
+def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
+    """This process's rank and device, and the run folder, which must be new or empty unless resuming."""
     try:
         dd = setup_distributed(pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0"))))
         dev = pick_device(cfg.device, dd.local_rank)
@@ -544,6 +539,17 @@ def main(config: Config) -> dict:
     if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} is not a new or empty folder; continue a run there with --resume {out} "
                          "or choose another --out")
+    return dd, dev, out
+
+
+def main(config: Config) -> dict:
+    """Train, measure and report; returns the summary dict with the trained modules under
+    ``'modules'``. ``status`` is 'ok', 'interrupted' or 'nan' (those two raise nothing). Bad
+    options, data or run folders raise UsageError / DataError / CheckpointError before anything
+    is written."""
+    t0 = time.perf_counter()
+    cfg = resumed_config(config) if config.resume else config
+    dd, dev, out = place_run(cfg)
     log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
     try:
         ds = load_dataset(cfg)

@@ -203,8 +203,8 @@ def test_train_detector_lowers_the_loss_on_one_repeated_batch():
     torch.manual_seed(0)
     model = small_detector("fcos", tiny_vit(depth=2))
     images, targets = batch()
-    stats = train_detector(model, lambda: (images, targets), budget_s=4.0, lr=2e-3, log_every=3)
-    assert stats["steps"] >= 6 and stats["train_s"] >= 4.0
+    stats = train_detector(model, lambda: (images, targets), budget_s=1e9, max_steps=9, lr=2e-3, log_every=3)
+    assert stats["steps"] == 9  # step-bounded, so the test does not depend on the machine's speed
     assert stats["loss_last"] < stats["loss_first"]  # it learns the batch
     with pytest.raises(ValueError, match="budget_s must be > 0"):
         train_detector(model, lambda: (images, targets), budget_s=0)

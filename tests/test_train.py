@@ -423,7 +423,7 @@ def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsy
 def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_path, folder):
     """SIGKILL (no handler runs) while training: --resume continues from the last checkpoint and
     ends where an uninterrupted run ends, each epoch logged once."""
-    epochs = 40
+    epochs = 100
     ref = T.main(tiny(tmp_path / "ref", folder, epochs=epochs))
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),

@@ -307,13 +307,15 @@ def train_detector(
     next_batch: Callable[[], tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]],
     *,
     budget_s: float,
+    max_steps: int | None = None,
     lr: float = 1e-3,
     weight_decay: float = 0.05,
     warmup: float = 0.05,
     grad_clip: float = 1.0,
     log_every: int = 25,
 ) -> dict[str, Any]:
-    """Train a torchvision detector for ``budget_s`` seconds of training steps.
+    """Train a torchvision detector for ``budget_s`` seconds of training steps (or ``max_steps``
+    steps, if that comes first; the schedule then runs on the larger of the two fractions).
 
     ``next_batch()`` returns ``(images, targets)`` in torchvision's format; drawing it is outside
     the budget (a loader would overlap it). AdamW on :func:`vitattn.train.param_groups`, the lr
@@ -325,16 +327,20 @@ def train_detector(
 
     from .train import get_lr, param_groups
 
-    if budget_s <= 0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    if budget_s <= 0 or (max_steps is not None and max_steps < 1):
+        raise ValueError(f"budget_s must be > 0 and max_steps >= 1, got {budget_s} and {max_steps}")
     opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
     model.train()
     history, spent = [], 0.0
-    while spent < budget_s:
+
+    def progress() -> float:
+        return max(spent / budget_s, len(history) / max_steps if max_steps else 0.0)
+
+    while progress() < 1.0:
         images, targets = next_batch()
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = get_lr(spent / budget_s, lr, warmup, "cosine")
+            group["lr"] = get_lr(progress(), lr, warmup, "cosine")
         losses = model(images, targets)
         loss = sum(losses.values())
         opt.zero_grad(set_to_none=True)
