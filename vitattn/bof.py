@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cnn import conv_bn
+from .cnn import conv_bn, stage_intermediates
 from .helpers import feature_take_indices
 
 
@@ -71,9 +71,4 @@ class BagOfLocalFeatures(nn.Module):
         take = feature_take_indices(len(self.stages), indices)
         if x.ndim != 4 or x.shape[1] != self.config.in_chans:
             raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
-        out = []
-        for i, stage in enumerate(self.stages):
-            x = stage(x)
-            if i in take:
-                out.append(x)
-        return out if intermediates_only else (x, out)
+        return stage_intermediates(self.stages, x, take, intermediates_only)

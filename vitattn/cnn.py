@@ -92,6 +92,16 @@ def whitening_filters(images: torch.Tensor, kernel_size: int = 2, eps: float = 5
     return torch.cat([filters, -filters]).to(images.dtype if images.is_floating_point() else torch.float32)
 
 
+def stage_intermediates(stages: nn.ModuleList, x: torch.Tensor, take: list[int], intermediates_only: bool):
+    """Run ``stages`` in turn, keeping the maps of those in ``take``: ``(final, maps)`` or ``maps``."""
+    out = []
+    for i, stage in enumerate(stages):
+        x = stage(x)
+        if i in take:
+            out.append(x)
+    return out if intermediates_only else (x, out)
+
+
 class SmallCNN(nn.Module):
     """``(B, C, H, W) -> (B, num_classes)``; stage ``i`` has stride ``2**(i+1)``."""
 
@@ -155,13 +165,7 @@ class SmallCNN(nn.Module):
         take = feature_take_indices(len(self.stages), indices)
         if x.ndim != 4 or x.shape[1] != self.config.in_chans:
             raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
-        x = self.stem(x)
-        out = []
-        for i, stage in enumerate(self.stages):
-            x = stage(x)
-            if i in take:
-                out.append(x)
-        return out if intermediates_only else (x, out)
+        return stage_intermediates(self.stages, self.stem(x), take, intermediates_only)
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
