@@ -57,9 +57,11 @@ from vitattn.longrange import ATTRIBUTES, CLASSES, accuracy_by_distance, make_lo
 from vitattn.train import (
     DATASET_RECIPES,
     DEFAULT_PRESETS,
+    OPTIMIZERS,
     RECIPES,
     CheckpointError,
     Dist,
+    OptimizerChain,
     Recipe,
     StopFlag,
     all_reduce_,
@@ -108,6 +110,8 @@ class Config:
     limit_test: int | None = option(None, "use only the first N test images")
     epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
     time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
+    optimizer: str | None = option(None, "'adamw', 'sgd' or 'muon' (Muon on the ViT blocks' matrices, AdamW on "
+                                   "the rest); default: the recipe's", choices=OPTIMIZERS)
     batch_size: int | None = option(None, "images per step over all ranks (default: the recipe's)")
     lr: float | None = option(None, "peak learning rate")
     weight_decay: float | None = option(None, "weight decay (not on biases, norms, position tables)")
@@ -138,7 +142,7 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
-            if "choices" in f.metadata and v not in f.metadata["choices"]:
+            if v is not None and "choices" in f.metadata and v not in f.metadata["choices"]:
                 raise UsageError(f"{flag} must be one of {f.metadata['choices']}, got {v!r}")
             if v is None or isinstance(v, bool | str):
                 continue
@@ -160,6 +164,10 @@ class Config:
             if vitattn.PRESETS[preset][0] not in families:
                 raise UsageError(f"--{slot}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
                                  f"expected a {' or '.join(families)} one")
+
+        if self.optimizer == "muon" and self.model != "vit":
+            raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
+                             f"{self.model}")
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]
@@ -277,7 +285,7 @@ class Run:
     family: str
     model: nn.Module
     net: nn.Module  # the model as stepped: compiled and / or wrapped in DDP
-    opt: torch.optim.Optimizer
+    opt: torch.optim.Optimizer | OptimizerChain
     recipe: Recipe
     loader: BatchLoader
     st: TrainState

@@ -248,7 +248,7 @@ def test_accuracy_by_distance_bins():
 
 
 
-def test_pointing_task_is_decided_by_the_relation_alone():
+def test_pointing_task_labels_the_relation_and_one_mark_alone_says_nothing():
     """The 'pointing' label is where the plus lies relative to where the arrow points; the arrow
     alone, the plus alone and the pair of appearances hold both labels equally."""
     from vitattn.longrange import ARROW_DIRECTIONS, ARROW_GLYPHS, POINTING_CLASSES
@@ -286,6 +286,28 @@ def test_pointing_task_is_decided_by_the_relation_alone():
                 == MARK_COLOURS[s["colours"][i, 0]].to(torch.uint8)).all()
     with pytest.raises(ValueError, match="pointing task takes distances"):
         make_long_range_specs(10, seed=0, attribute="pointing", distances=24)
+
+
+@pytest.mark.parametrize("attribute, leaks", [
+    ("colour", {"appearances, unordered": 1.0}),  # the counting shortcut
+    # bounded images: a far plus is pinned near the border the arrow points at
+    ("pointing", {"mark 0 shape + offset": 1.0, "mark 0 shape + mark 1 place": 0.85}),
+])
+def test_partial_views_show_what_each_task_leaks(attribute, leaks):
+    """``view_accuracy`` on held-out images: the views a task leaks reach at least the stated
+    accuracy, every other view stays at chance."""
+    from vitattn.longrange import VIEWS, view_accuracy
+
+    train = make_long_range_specs(60_000, seed=0, attribute=attribute)
+    test = make_long_range_specs(6_000, seed=1, attribute=attribute)
+    for view in VIEWS:
+        acc = view_accuracy(train, test, view).float().mean().item()
+        if view in leaks:
+            assert acc >= leaks[view] - 0.01, (view, acc)
+        else:
+            assert abs(acc - 0.5) < 0.04, (view, acc)  # 6 standard errors of 6,000 coin flips
+    with pytest.raises(ValueError, match="view must be one of"):
+        view_accuracy(train, test, "everything")
 
 
 def test_bag_of_local_features_control_sees_5x5_and_forgets_where():

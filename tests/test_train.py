@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -77,6 +78,52 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     skipped = {names[id(p)] for p in no_decay["params"]}
     assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "head.bias"} <= skipped
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
+
+
+def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exactly():
+    import vitattn
+    from vitattn.train import OptimizerChain, build_optimizer
+
+    def make():
+        torch.manual_seed(0)
+        m = vitattn.create_model("vit_cifar_small_patch4", depth=2, embed_dim=32, num_heads=2)
+        return m, build_optimizer(m, replace(RECIPES["vit"], optimizer="muon", lr=3e-3))
+
+    m, opt = make()
+    assert isinstance(opt, OptimizerChain) and isinstance(opt.optimizers[0], torch.optim.Muon)
+    names = {id(p): n for n, p in m.named_parameters()}
+    muon = {names[id(p)] for g in opt.optimizers[0].param_groups for p in g["params"]}
+    adamw = [names[id(p)] for g in opt.optimizers[1].param_groups for p in g["params"]]
+    assert muon == {n for n, p in m.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
+    assert {"blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight"} <= muon and "head.weight" in adamw
+    assert len(muon) + len(adamw) == len(names) and not muon & set(adamw)  # each parameter once
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+
+    def steps(model, o, n):
+        losses = []
+        for _ in range(n):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            o.zero_grad(set_to_none=True)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        return losses
+
+    losses = steps(m, opt, 20)
+    assert losses[-1] < 0.6 * losses[0]  # it learns the batch
+    weights, state = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())  # a checkpoint mid-run
+    steps(m, opt, 3)
+    m2, opt2 = make()
+    m2.load_state_dict(weights)
+    opt2.load_state_dict(state)
+    steps(m2, opt2, 3)
+    for (n, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="state of 2 chained optimisers"):
+        opt2.load_state_dict({"chain": state["chain"][:1]})
+    with pytest.raises(ValueError, match="needs 2-D weights in blocks"):
+        build_optimizer(vitattn.create_model("cnn_cifar_small"), replace(RECIPES["cnn"], optimizer="muon"))
 
 
 def test_test_time_augmentation_views_and_weights():
@@ -203,8 +250,10 @@ def test_the_pointing_task_runs_end_to_end(tmp_path):
 
 
 # -- nothing lost ----------------------------------------------------------------------------
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch):
-    ref = T.main(tiny(tmp_path / "a", folder, epochs=3))
+@pytest.mark.parametrize("family, kw", [("cnn", {}), ("vit", dict(model="vit", optimizer="muon", lr=1e-3))],
+                         ids=["cnn-sgd", "vit-muon"])
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw):
+    ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
     cross_entropy = T.F.cross_entropy
 
@@ -215,17 +264,17 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
         return cross_entropy(*args, **kw)
 
     monkeypatch.setattr(T.F, "cross_entropy", interrupt_in_epoch_3)
-    cfg = tiny(tmp_path / "b", folder, epochs=3)
+    cfg = tiny(tmp_path / "b", folder, epochs=3, **kw)
     assert T.main(cfg)["status"] == "interrupted"
-    ck = torch.load(Path(cfg.out) / "checkpoints" / "cnn.pt", weights_only=True)
+    ck = torch.load(Path(cfg.out) / "checkpoints" / f"{family}.pt", weights_only=True)
     assert (ck["state"]["epoch"], ck["state"]["step_in_epoch"]) == (2, 2)  # stops before the next step
     monkeypatch.setattr(T.F, "cross_entropy", cross_entropy)
     resumed = T.main(T.Config(resume=cfg.out, progress=False))
     assert resumed["status"] == "ok"
     assert scores(metrics(cfg.out)) == scores(metrics(ref["out"]))
-    assert resumed["models"]["cnn"]["final_acc"] == ref["models"]["cnn"]["final_acc"]
-    for k, v in ref["modules"]["cnn"].state_dict().items():
-        assert torch.equal(v, resumed["modules"]["cnn"].state_dict()[k]), k
+    assert resumed["models"][family]["final_acc"] == ref["models"][family]["final_acc"]
+    for k, v in ref["modules"][family].state_dict().items():
+        assert torch.equal(v, resumed["modules"][family].state_dict()[k]), k
 
 
 def test_ctrl_c_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder):
@@ -322,6 +371,7 @@ def test_long_range_recipe_takes_small_batches_and_overrides_still_win():
 
 # -- bad input: one message, exit 2, no traceback, nothing written -----------------------------
 BAD_OPTIONS = [
+    (["--optimizer", "muon"], "use it with --model vit, got --model both"),
     (["--batch-size", "0"], "--batch-size must be > 0"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--lr", "nan"], "--lr must be > 0"),

@@ -18,6 +18,8 @@ A model must bring the two marks together, wherever they are. A model with globa
 that late, by pooling per-colour detectors (``same`` = one mark colour present), which still needs
 information from both regions to meet; accuracy against distance says how well each model does it
 as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'`` needs longer.
+``view_accuracy`` measures what a part of the scene alone tells about the label (``VIEWS``: one
+mark, the unordered appearances, one mark's shape with the other's place, the offset...).
 
     data = make_long_range(10_000, seed=0)
     data["images"]    # (n, 3, 32, 32) uint8
@@ -184,13 +186,17 @@ def _pointing_specs(labels: torch.Tensor, target: torch.Tensor, img_size: int, g
     directions), mark 1 a plus; ``towards`` (1) when the plus lies in the arrow's 90-degree cone,
     ``away`` (0) when it lies in the opposite cone.
 
-    Closed by construction: the offset ``o`` from arrow to plus is drawn from the ring at the
-    target distance, in the label's cone, among offsets for which *both* ``A + o`` and ``A - o``
-    fit, and the arrow's centre ``A`` uniformly where both do. The two labels' offsets are then
-    mirror images (``o`` and ``-o``) over the same places, so the arrow alone (where it is, where
-    it points, its colour), the plus alone (where it is, averaged over the four directions), and
-    the pair of appearances have one distribution in both classes: only where the plus is
-    *relative to where the arrow points* decides the label.
+    The offset ``o`` from arrow to plus is drawn from the ring at the target distance, in the
+    label's cone, among offsets for which *both* ``A + o`` and ``A - o`` fit, and the arrow's
+    centre ``A`` uniformly where both do. The two labels' offsets are then mirror images (``o``
+    and ``-o``) over the same places, so the arrow alone (where it is, where it points, its
+    colour), the plus alone (where it is, averaged over the four directions), and the pair of
+    appearances have one distribution in both classes.
+
+    Not closed: the arrow's direction *with the plus's place* tells the label (``view_accuracy``:
+    a far plus sits near the border the arrow points at, or the opposite one). No bounded image
+    avoids this: ``E[(B - A) . d]`` changes sign with the label, so the places of A or B given
+    the direction ``d`` must differ between the classes.
     """
     num = len(labels)
     direction = torch.randint(4, (num,), generator=gen)
@@ -252,6 +258,38 @@ def make_long_range(num: int, *, seed: int, img_size: int = 32,
     specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances, attribute=attribute)
     return dict(images=render_long_range(specs, img_size=img_size), labels=specs["labels"].long(),
                 distance=specs["distance"].float())
+
+
+def _place(specs: dict[str, torch.Tensor], m: int) -> torch.Tensor:
+    return specs["centres"][:, m]  # (n, 2) row, col
+
+
+# What a model that sees only part of an image could know: named views of the specs, each a
+# (n, k) integer key. ``view_accuracy`` says how well the label can be told from each.
+VIEWS = {
+    "mark 0 alone": lambda s: torch.cat([s["shapes"][:, :1], s["colours"][:, :1], _place(s, 0)], 1),
+    "mark 1 alone": lambda s: torch.cat([s["shapes"][:, 1:], s["colours"][:, 1:], _place(s, 1)], 1),
+    "appearances, unordered": lambda s: (s["shapes"] * len(MARK_COLOURS) + s["colours"]).sort(1).values,
+    "mark 0 shape + mark 1 place": lambda s: torch.cat([s["shapes"][:, :1], _place(s, 1)], 1),
+    "offset between the marks": lambda s: _place(s, 1) - _place(s, 0),
+    "mark 0 shape + offset": lambda s: torch.cat([s["shapes"][:, :1], _place(s, 1) - _place(s, 0)], 1),
+}
+
+
+def view_accuracy(train: dict[str, torch.Tensor], test: dict[str, torch.Tensor], view: str) -> torch.Tensor:
+    """``(n_test,)`` bool: is the label right when predicted from one of ``VIEWS`` alone, by the
+    majority label of the training images that share the view's value (ties and unseen values
+    predict class 0). A held-out lower bound on what that information can reach, given
+    ``make_long_range_specs`` output for both sets."""
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {tuple(VIEWS)}, got {view!r}")
+    keys = torch.cat([VIEWS[view](train), VIEWS[view](test)]).long()
+    cell = torch.unique(keys, dim=0, return_inverse=True)[1]
+    n_train = len(train["labels"])
+    count = torch.bincount(cell[:n_train], minlength=int(cell.max()) + 1).float()
+    ones = torch.bincount(cell[:n_train], weights=train["labels"].float(), minlength=len(count))
+    predict = (2 * ones > count).long()
+    return predict[cell[n_train:]] == test["labels"]
 
 
 def accuracy_by_distance(correct: torch.Tensor, distance: torch.Tensor,

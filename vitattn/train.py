@@ -39,7 +39,7 @@ from torch import nn
 class Recipe:
     """How one model family trains; every field can be overridden from the command line."""
 
-    optimizer: str  # 'adamw' or 'sgd' (Nesterov)
+    optimizer: str  # 'adamw', 'sgd' (Nesterov) or 'muon' (Muon on the blocks' matrices, AdamW on the rest)
     batch_size: int  # images per optimiser step, summed over ranks
     lr: float  # peak learning rate
     weight_decay: float  # decoupled (AdamW) or L2 (SGD); not on biases, norms, position tables
@@ -102,13 +102,64 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer:
-    groups = param_groups(model, r.weight_decay)
-    if r.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=r.lr, betas=(r.momentum, r.beta2))
+OPTIMIZERS = ("adamw", "sgd", "muon")
+
+
+class OptimizerChain:
+    """Several optimisers stepped as one, each over its own parameters: what a training loop
+    needs of an optimiser (``param_groups``, ``zero_grad``, ``step``, ``state_dict``)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {"chain": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("chain", ())) != len(self.optimizers):
+            raise ValueError(f"expected the state of {len(self.optimizers)} chained optimisers, got "
+                             f"{len(state.get('chain', ()))}")
+        for o, sd in zip(self.optimizers, state["chain"]):
+            o.load_state_dict(sd)
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """Muon orthogonalises matrix updates: the blocks' linear weights. Embeddings, the patch
+    projection, norms, biases and the head keep AdamW (Jordan et al. 2024)."""
+    return p.ndim == 2 and name.startswith("blocks.")
+
+
+def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | OptimizerChain:
+    """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``torch.optim.Muon`` (Nesterov momentum
+    0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
+    and AdamW on the rest."""
+    if r.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {r.optimizer!r}")
     if r.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=r.lr, momentum=r.momentum, nesterov=True)
-    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {r.optimizer!r}")
+        return torch.optim.SGD(param_groups(model, r.weight_decay), lr=r.lr, momentum=r.momentum, nesterov=True)
+    if r.optimizer == "adamw":
+        return torch.optim.AdamW(param_groups(model, r.weight_decay), lr=r.lr, betas=(r.momentum, r.beta2))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if is_muon_param(n, p)]
+    if not matrices:
+        raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
+    muon = torch.optim.Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95,
+                            adjust_lr_fn="match_rms_adamw")
+    keep = {id(p) for p in matrices}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]} for g in param_groups(model, r.weight_decay)]
+    return OptimizerChain(muon, torch.optim.AdamW(rest, lr=r.lr, betas=(r.momentum, r.beta2)))
 
 
 # ---------------------------------------------------------------------------------------------
