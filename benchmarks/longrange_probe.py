@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import vitattn
 from vitattn.data import Normalize, channel_stats
 from vitattn.longrange import make_long_range_specs, render_long_range
-from vitattn.train import get_lr, param_groups
+from vitattn.train import evaluate, get_lr, param_groups
 
 
 def scenes(n: int, seed: int, target: str, cue: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,6 @@ def main() -> None:
     x, y = scenes(a.train, a.seed, a.target, a.cue)
     xt, yt = scenes(2000, a.seed + 1_000_000, a.target, a.cue)
     norm = Normalize(*channel_stats(x))
-    xt = norm(xt)
     torch.manual_seed(a.seed)
     model = vitattn.create_model(a.preset, num_classes=2 if a.target == "label" else 4, **json.loads(a.over))
     if hasattr(model, "init_stem"):
@@ -63,13 +62,6 @@ def main() -> None:
            else torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.99)))
     flip = a.target == "label" and a.cue == "shape"  # a mirrored scene keeps its label
     gen = torch.Generator().manual_seed(a.seed)
-
-    def test_acc() -> float:
-        model.eval()
-        with torch.no_grad():
-            hits = sum(int((model(xt[i:i + 500]).argmax(1) == yt[i:i + 500]).sum()) for i in range(0, len(yt), 500))
-        model.train()
-        return hits / len(yt)
 
     budget, spent, step, report = a.minutes * 60, 0.0, 0, 30.0
     while spent < budget:
@@ -86,12 +78,14 @@ def main() -> None:
             spent += time.perf_counter() - t0
             step += 1
             if spent >= report or spent >= budget:
-                print(f"{spent:5.0f} s  step {step:5d}  loss {loss.item():.4f}  test {test_acc():.4f}  "
+                acc = evaluate(model, norm, xt, yt)["acc"]
+                print(f"{spent:5.0f} s  step {step:5d}  loss {loss.item():.4f}  test {acc:.4f}  "
                       f"{step * 64 / spent:.0f} img/s", flush=True)
                 report += 30
             if spent >= budget:
                 break
-    print(f"final test accuracy {test_acc():.4f} ({a.preset} {a.over}, target {a.target}, cue {a.cue})")
+    acc = evaluate(model, norm, xt, yt)["acc"]
+    print(f"final test accuracy {acc:.4f} ({a.preset} {a.over}, target {a.target}, cue {a.cue})")
 
 
 if __name__ == "__main__":
