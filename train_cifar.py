@@ -53,7 +53,7 @@ from vitattn.data import (
     step_generator,
 )
 from vitattn.helpers import to_2tuple
-from vitattn.longrange import ATTRIBUTES, CLASSES, accuracy_by_distance, make_long_range
+from vitattn.longrange import ATTRIBUTES, CLASSES, DISTANCE_EDGES, accuracy_by_distance, make_long_range
 from vitattn.train import (
     DATASET_RECIPES,
     DEFAULT_PRESETS,
@@ -102,8 +102,9 @@ class Config:
     dataset: str = option("cifar10", "'long-range' is generated, no download", choices=("cifar10", "long-range"))
     data_dir: str = option("./data", "cifar-10-batches-py folder, ImageFolder tree, or .tar.gz of one")
     download: bool = option(False, "fetch CIFAR-10 through torchvision when --data-dir has none")
-    long_range_task: str = option("colour", "the long-range label: 'colour' / 'shape' (do the marks match?) or "
-                                  "'pointing' (does the arrow point at the plus?)", choices=ATTRIBUTES)
+    long_range_task: str = option("colour", "the long-range label: 'colour' / 'shape' (do the marks match?), "
+                                  "'pointing' (does the arrow point at the plus?) or 'alignment' (one row or "
+                                  "one column?)", choices=ATTRIBUTES)
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only the first N training images")
@@ -483,7 +484,8 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if ds.test_distance is not None:
-        result["accuracy_by_distance"] = accuracy_by_distance(final["hits"], ds.test_distance)
+        result["accuracy_by_distance"] = accuracy_by_distance(final["hits"], ds.test_distance,
+                                                              DISTANCE_EDGES[cfg.long_range_task])
     if dd.main:
         run.save(result)
         save_safetensors(model, out / "checkpoints" / f"{run.family}.safetensors")

@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import argparse
 
-from vitattn.longrange import ATTRIBUTES, VIEWS, accuracy_by_distance, make_long_range_specs, view_accuracy
+from vitattn.longrange import ATTRIBUTES, DISTANCE_EDGES, VIEWS, accuracy_by_distance, make_long_range_specs, view_accuracy
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", nargs="+", default=["colour", "pointing"], choices=ATTRIBUTES)
+    p.add_argument("--task", nargs="+", default=["colour", "pointing", "alignment"], choices=ATTRIBUTES)
     p.add_argument("--img-size", nargs="+", type=int, default=[32])
     p.add_argument("--train", type=int, default=400_000)
     p.add_argument("--test", type=int, default=100_000)
     a = p.parse_args()
-    edges = (3.5, 8, 12, 16, 20, 28.5)
-    bins = " / ".join(f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-1], edges[1:]))
-    print(f"| task | image | view | accuracy | by distance, {bins} px |\n|---|---|---|---:|---|")
     for task in a.task:
+        edges = DISTANCE_EDGES[task] if task == "alignment" else (3.5, 8, 12, 16, 20, 28.5)
+        bins = " / ".join(f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-1], edges[1:]))
+        print(f"\n| task | image | view | accuracy | by distance, {bins} px |\n|---|---|---|---:|---|")
         for size in a.img_size:
             train = make_long_range_specs(a.train, seed=0, attribute=task, img_size=size)
             test = make_long_range_specs(a.test, seed=1_000_000, attribute=task, img_size=size)

@@ -288,10 +288,53 @@ def test_pointing_task_labels_the_relation_and_one_mark_alone_says_nothing():
         make_long_range_specs(10, seed=0, attribute="pointing", distances=24)
 
 
+def test_alignment_task_labels_the_relation_and_each_mark_is_uniform_in_both_classes():
+    """'alignment': one row (0) or one column (1), k px apart; each centre, with or without its
+    appearance, has one distribution in both classes (per cell of 12,000 images), and the two
+    marks are exchangeable."""
+    from vitattn.longrange import ALIGNMENT_CLASSES, ALIGNMENT_MIN_DISTANCE
+
+    s = make_long_range_specs(12000, seed=5, attribute="alignment")
+    y = s["labels"].float()
+    assert y.sum() == 6000 and ALIGNMENT_CLASSES == ("same row", "same column")
+    off = s["centres"][:, 1] - s["centres"][:, 0]
+    k = s["distance"].long()
+    assert (off.gather(1, s["labels"][:, None]) == 0).all()  # row task: no row step; column task: no column step
+    assert torch.equal(off.abs().amax(1), k) and k.min() == ALIGNMENT_MIN_DISTANCE and k.max() == 15
+    assert s["centres"].min() >= 1 and s["centres"].max() <= 30  # 3x3 glyphs fit
+    for m in (0, 1):
+        place = s["centres"][:, m]
+        cells = {"distance x row band x col band": k * 16 + (place[:, 0] // 8) * 4 + place[:, 1] // 8,
+                 "shape x colour x row band": (s["shapes"][:, m] * 6 + s["colours"][:, m]) * 4 + place[:, 0] // 8}
+        for what, cell in cells.items():
+            for v in cell.unique():
+                sel = cell == v
+                n = int(sel.sum())
+                if n >= 40:  # 4 standard errors of a fair coin, or 0.08, whichever is larger
+                    assert abs(y[sel].mean() - 0.5) < max(0.08, 4 * 0.5 / n**0.5), (m, what, int(v), n)
+    # exchangeable: the first and the second centre have the same row histogram
+    h0, h1 = (torch.bincount(s["centres"][:, m, 0], minlength=32).float() / 12000 for m in (0, 1))
+    assert (h0 - h1).abs().max() < 0.01
+    img = render_long_range(s)[:20]
+    for i in range(20):
+        r, c = s["centres"][i, 1].tolist()
+        on = GLYPHS[s["shapes"][i, 1]]
+        assert (img[i, :, r - 1:r + 2, c - 1:c + 2].permute(1, 2, 0)[on]
+                == MARK_COLOURS[s["colours"][i, 1]].to(torch.uint8)).all()
+    two = make_long_range_specs(10, seed=0, attribute="alignment", distances=[7, 15])["distance"]
+    assert sorted(two.tolist()) == [7.0] * 5 + [15.0] * 5
+    for bad in (6, 16, 9.5):
+        with pytest.raises(ValueError, match="alignment task takes whole distances in \\[7, 15\\]"):
+            make_long_range_specs(10, seed=0, attribute="alignment", distances=bad)
+    with pytest.raises(ValueError, match="needs img_size >= 16"):
+        make_long_range_specs(10, seed=0, attribute="alignment", img_size=14)
+
+
 @pytest.mark.parametrize("attribute, leaks", [
     ("colour", {"appearances, unordered": 1.0}),  # the counting shortcut
     # bounded images: a far plus is pinned near the border the arrow points at
     ("pointing", {"mark 0 shape + offset": 1.0, "mark 0 shape + mark 1 place": 0.85}),
+    ("alignment", {"offset between the marks": 1.0, "mark 0 shape + offset": 1.0}),  # only the relation
 ])
 def test_partial_views_show_what_each_task_leaks(attribute, leaks):
     """``view_accuracy`` on held-out images: the views a task leaks reach at least the stated

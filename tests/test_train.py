@@ -241,12 +241,15 @@ def test_long_range_reports_accuracy_against_distance(tmp_path):
     assert "Accuracy against mark distance" in (Path(s["out"]) / "report.md").read_text()
 
 
-def test_the_pointing_task_runs_end_to_end(tmp_path):
-    s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_task="pointing", long_range_train=96,
+@pytest.mark.parametrize("task, classes, edges", [
+    ("pointing", ["away", "towards"], 7), ("alignment", ["same row", "same column"], 3)])
+def test_the_relation_tasks_run_end_to_end(tmp_path, task, classes, edges):
+    s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_task=task, long_range_train=96,
                     long_range_test=64, epochs=1, cnn_preset="bof_local"))  # the CNN slot takes the control
-    assert s["classes"] == ["away", "towards"] and "pointing" in s["data_source"]
+    assert s["classes"] == classes and task in s["data_source"]
     assert s["models"]["cnn"]["preset"] == "bof_local" and len(s["models"]["cnn"]["erf_radius_px"]) == 2
-    assert sum(s["models"]["cnn"]["accuracy_by_distance"]["count"]) == 64
+    by = s["models"]["cnn"]["accuracy_by_distance"]
+    assert sum(by["count"]) == 64 and len(by["accuracy"]) == edges
 
 
 # -- nothing lost ----------------------------------------------------------------------------

@@ -18,6 +18,11 @@ A model must bring the two marks together, wherever they are. A model with globa
 that late, by pooling per-colour detectors (``same`` = one mark colour present), which still needs
 information from both regions to meet; accuracy against distance says how well each model does it
 as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'`` needs longer.
+
+``'pointing'`` and ``'alignment'`` label a relation of places instead: does an arrow point at
+a plus, and are the two marks in one row or in one column (``_alignment_specs``)? Only the
+alignment task is closed: every part of a scene short of both places together says nothing
+about its label (``view_accuracy``), so pooling local detectors cannot solve it.
 ``view_accuracy`` measures what a part of the scene alone tells about the label (``VIEWS``: one
 mark, the unordered appearances, one mark's shape with the other's place, the offset...).
 
@@ -65,15 +70,25 @@ GLYPH_NAMES = (*GLYPH_NAMES, "tee-1", "tee-2", "tee-3")
 ARROW_GLYPHS = torch.tensor([2, NUM_SHAPES, NUM_SHAPES + 1, NUM_SHAPES + 2])  # indices into GLYPHS
 ARROW_DIRECTIONS = torch.tensor([_stem(t) for t in _TEES])  # (4, 2): where each arrow points
 POINTING_CLASSES = ("away", "towards")
-CLASSES = {"colour": LONG_RANGE_CLASSES, "shape": LONG_RANGE_CLASSES, "pointing": POINTING_CLASSES}
 POINTING_DISTANCE_RANGE = (4.0, 19.0)  # both A + o and A - o must fit: |o| up to ~20 px
+# 'alignment': are the two marks side by side (one row) or one above the other (one column)?
+ALIGNMENT_CLASSES = ("same row", "same column")
+# From 7 px apart no 5x5 field holds a pixel of both marks (the bag-of-local-features control's
+# field); up to (H - 2) // 2, the largest k for which a 2k x 2k window of centres fits.
+ALIGNMENT_MIN_DISTANCE = 7
+CLASSES = {"colour": LONG_RANGE_CLASSES, "shape": LONG_RANGE_CLASSES, "pointing": POINTING_CLASSES,
+           "alignment": ALIGNMENT_CLASSES}
+DEFAULT_EDGES = (3.5, 8, 12, 16, 20, 24, 28.5, 42)
+# Distance bins per task for ``accuracy_by_distance``: alignment has whole distances 7-15 px.
+DISTANCE_EDGES = {"colour": DEFAULT_EDGES, "shape": DEFAULT_EDGES, "pointing": DEFAULT_EDGES,
+                  "alignment": (6.5, 9.5, 12.5, 15.5)}
 
 # Saturated mark colours, well outside the muted background range (below).
 MARK_COLOURS = torch.tensor([
     [240, 40, 40], [40, 220, 60], [50, 90, 250], [250, 220, 30], [230, 50, 230], [30, 230, 230],
 ], dtype=torch.float32)
 
-ATTRIBUTES = ("colour", "shape", "pointing")
+ATTRIBUTES = ("colour", "shape", "pointing", "alignment")
 DEFAULT_DISTANCE_RANGE = (4.0, 28.0)
 MIN_DISTANCE = 3.5  # closer centres would make the 3x3 glyphs overlap
 
@@ -155,6 +170,8 @@ def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
     if attribute == "pointing":
         target = _target_distances(num, distances, gen, POINTING_DISTANCE_RANGE)
         return _pointing_specs(labels, target, img_size, gen, seed)
+    if attribute == "alignment":
+        return _alignment_specs(labels, distances, img_size, gen, seed)
     shapes = _pair_up(torch.randint(NUM_SHAPES, (num,), generator=gen), labels, NUM_SHAPES, gen,
                       matched=attribute == "shape")
     colours = _pair_up(torch.randint(len(MARK_COLOURS), (num,), generator=gen), labels, len(MARK_COLOURS), gen,
@@ -225,6 +242,43 @@ def _pointing_specs(labels: torch.Tensor, target: torch.Tensor, img_size: int, g
                 distance=offsets.float().norm(dim=1), direction=direction, seed=torch.tensor(seed))
 
 
+def _alignment_specs(labels: torch.Tensor, distances, img_size: int, gen: torch.Generator,
+                     seed: int) -> dict[str, torch.Tensor]:
+    """The closed relation task: two marks ``k`` px apart (shapes and colours drawn independently
+    per mark), in one row (``same row``, 0) or in one column (``same column``, 1).
+
+    A square window of ``2k x 2k`` mark centres is placed uniformly in the image, the first
+    centre uniformly in the window, and the second is its partner ``k`` cells further along the
+    label's axis, counted around the window (``(u + k) mod 2k``). The partner map is a bijection
+    of the window onto itself, so *each* centre is uniform over the same window in both classes,
+    and the window depends only on ``k``: one mark alone (place, shape, colour), the other's place
+    with any appearance, and the pair of appearances hold both labels equally (``view_accuracy``).
+    Only the two places together, their offset ``(0, +-k)`` or ``(+-k, 0)``, tell the label.
+    """
+    num = len(labels)
+    top = (img_size - 2) // 2  # centres live in 1..H-2: a 2k window fits while 2k <= H - 2
+    lo = ALIGNMENT_MIN_DISTANCE
+    if top < lo:
+        raise ValueError(f"the alignment task needs img_size >= {2 * lo + 2}, got {img_size}")
+    if distances is None:
+        k = torch.randint(lo, top + 1, (num,), generator=gen)
+    else:
+        values = _target_distances(num, distances, gen)
+        k = values.round().long()
+        if ((values - k).abs() > 1e-6).any() or (k < lo).any() or (k > top).any():
+            raise ValueError(f"the alignment task takes whole distances in [{lo}, {top}] px for "
+                             f"{img_size}x{img_size} images, got {sorted(set(values.tolist()))}")
+    side = 2 * k[:, None]  # (n, 1)
+    window = 1 + (torch.rand(num, 2, generator=gen) * (img_size - 1 - side)).long()  # origin, in 1..H-1-2k
+    u = (torch.rand(num, 2, generator=gen) * side).long()  # the first centre within the window
+    axis = torch.stack([labels, 1 - labels], 1)  # (n, 2): step along rows (column task) or columns (row task)
+    v = (u + axis * k[:, None]) % side
+    shapes = torch.randint(NUM_SHAPES, (num, 2), generator=gen)
+    colours = torch.randint(len(MARK_COLOURS), (num, 2), generator=gen)
+    return dict(labels=labels, shapes=shapes, colours=colours, centres=torch.stack([window + u, window + v], 1),
+                distance=k.float(), seed=torch.tensor(seed))
+
+
 def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
                       marks: tuple[bool, bool] = (True, True)) -> torch.Tensor:
     """``(n, 3, H, W)`` uint8 images for ``make_long_range_specs``' output; ``marks`` chooses
@@ -293,7 +347,7 @@ def view_accuracy(train: dict[str, torch.Tensor], test: dict[str, torch.Tensor],
 
 
 def accuracy_by_distance(correct: torch.Tensor, distance: torch.Tensor,
-                         edges: Sequence[float] = (3.5, 8, 12, 16, 20, 24, 28.5, 42)) -> dict[str, list]:
+                         edges: Sequence[float] = DEFAULT_EDGES) -> dict[str, list]:
     """Accuracy per distance bin: ``{'edges', 'centres', 'accuracy', 'count'}`` (empty bins give
     ``nan``). ``correct``: (n,) bool, prediction == label; ``distance``: (n,) pixels."""
     if correct.shape != distance.shape:
