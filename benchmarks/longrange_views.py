@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import argparse
 
-from vitattn.longrange import ATTRIBUTES, DISTANCE_EDGES, VIEWS, accuracy_by_distance, make_long_range_specs, view_accuracy
+from vitattn.longrange import (
+    ATTRIBUTES,
+    DISTANCE_EDGES,
+    VIEWS,
+    accuracy_by_distance,
+    make_long_range_specs,
+    view_accuracy,
+)
 
 
 def main() -> None:
