@@ -102,9 +102,10 @@ class Config:
     dataset: str = option("cifar10", "'long-range' is generated, no download", choices=("cifar10", "long-range"))
     data_dir: str = option("./data", "cifar-10-batches-py folder, ImageFolder tree, or .tar.gz of one")
     download: bool = option(False, "fetch CIFAR-10 through torchvision when --data-dir has none")
-    long_range_task: str = option("colour", "the long-range label: 'colour' / 'shape' (do the marks match?), "
-                                  "'pointing' (does the arrow point at the plus?) or 'alignment' (one row or "
-                                  "one column?)", choices=ATTRIBUTES)
+    long_range_task: str = option("alignment", "the long-range label: 'alignment' (one row or one column? only "
+                                  "relating the two places tells), 'colour' / 'shape' (do the marks match? pooled "
+                                  "detectors count it) or 'pointing' (does the arrow point at the plus?)",
+                                  choices=ATTRIBUTES)
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only the first N training images")
