@@ -157,8 +157,10 @@ def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
     """Everything about each image except its pixels: ``labels``, ``shapes`` ``(n, 2)``, ``colours``
     ``(n, 2)`` (indices into ``GLYPHS`` / ``MARK_COLOURS``), ``centres`` ``(n, 2, 2)`` (row, col of
     each mark centre), ``distance``. ``attribute``: what must match for ``same``, ``'colour'`` or
-    ``'shape'`` (the other one is drawn independently per mark), or ``'pointing'``, the relation
-    task (:func:`_pointing_specs`; labels index ``POINTING_CLASSES``). Deterministic for a seed."""
+    ``'shape'`` (the other one is drawn independently per mark), ``'pointing'``, a relation
+    task with a shortcut (:func:`_pointing_specs`; labels index ``POINTING_CLASSES``), or
+    ``'alignment'``, the closed one (:func:`_alignment_specs`; ``ALIGNMENT_CLASSES``; whole
+    distances 7-15 px). Deterministic for a seed."""
     if num < 1:
         raise ValueError(f"num must be >= 1, got {num}")
     if img_size < 8:
@@ -307,8 +309,9 @@ def make_long_range(num: int, *, seed: int, img_size: int = 32,
     """``num`` images of the long-range task: ``images`` (n, 3, H, W) uint8, ``labels`` (n,) int64
     (index into ``LONG_RANGE_CLASSES``), ``distance`` (n,) float32 in pixels between the mark
     centres. ``distances``: ``None`` for uniform in 4-28 px, a number, or a list of numbers that
-    share the images equally. ``attribute``: ``'colour'`` (the default: same colour or not) or
-    ``'shape'`` (same glyph or not, slower to learn). The same seed gives the same data."""
+    share the images equally. ``attribute``: ``'colour'`` (the default: same colour or not),
+    ``'shape'`` (same glyph or not, slower to learn), ``'pointing'`` or ``'alignment'`` (labels
+    index ``CLASSES[attribute]``). The same seed gives the same data."""
     specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances, attribute=attribute)
     return dict(images=render_long_range(specs, img_size=img_size), labels=specs["labels"].long(),
                 distance=specs["distance"].float())
