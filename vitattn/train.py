@@ -67,7 +67,7 @@ RECIPES: dict[str, Recipe] = {
 }
 
 # Per-dataset changes: the long-range task's 20,000 images give too few steps at CIFAR's batch
-# sizes; three epochs keep a default run under 10 minutes per model on a 2-core CPU.
+# sizes; three epochs keep a default run to minutes per model on a 2-core CPU (docs/training.md).
 DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "long-range": {"cnn": dict(batch_size=64, lr=0.1, epochs=3), "vit": dict(batch_size=64, lr=1e-3, epochs=3)},
 }
