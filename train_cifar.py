@@ -53,7 +53,7 @@ from vitattn.data import (
     step_generator,
 )
 from vitattn.helpers import to_2tuple
-from vitattn.longrange import ATTRIBUTES, CLASSES, DISTANCE_EDGES, accuracy_by_distance, make_long_range
+from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, CLASSES, DISTANCE_EDGES, accuracy_by_distance, make_long_range
 from vitattn.train import (
     DATASET_RECIPES,
     DEFAULT_PRESETS,
@@ -99,6 +99,9 @@ class Config:
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
     vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
     cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
+    vit_kwargs: str = option("{}", "JSON of ViT config fields over the preset's, e.g. '{\"depth\": 2}' (timm's "
+                             "--model-kwargs)")
+    cnn_kwargs: str = option("{}", "JSON of CNN config fields over the preset's, e.g. '{\"widths\": [64, 256]}'")
     dataset: str = option("cifar10", "'long-range' is generated, no download", choices=("cifar10", "long-range"))
     data_dir: str = option("./data", "cifar-10-batches-py folder, ImageFolder tree, or .tar.gz of one")
     download: bool = option(False, "fetch CIFAR-10 through torchvision when --data-dir has none")
@@ -106,6 +109,9 @@ class Config:
                                   "relating the two places tells), 'colour' / 'shape' (do the marks match? pooled "
                                   "detectors count it) or 'pointing' (does the arrow point at the plus?)",
                                   choices=ATTRIBUTES)
+    long_range_background: str = option("plain", "what the long-range marks are drawn on: 'plain' (a grey level and "
+                                        "noise: only the relation is hard) or 'texture' (colour blobs and "
+                                        "stripes: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only the first N training images")
@@ -167,9 +173,26 @@ class Config:
                 raise UsageError(f"--{slot}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
                                  f"expected a {' or '.join(families)} one")
 
+        for slot in ("vit", "cnn"):  # checked here, so a typo stops the run before anything is written
+            self.model_kwargs(slot)
         if self.optimizer == "muon" and self.model != "vit":
             raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
                              f"{self.model}")
+
+    def model_kwargs(self, family: str) -> dict[str, Any]:
+        """``--vit-kwargs`` / ``--cnn-kwargs`` parsed and checked against the preset's config."""
+        flag, text = f"--{family}-kwargs", getattr(self, f"{family}_kwargs")
+        try:
+            kwargs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{flag} must be a JSON object, got {text!r} ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise UsageError(f"{flag} must be a JSON object of config fields, got {text!r}")
+        try:
+            vitattn.get_config(self.preset(family), **kwargs)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{flag}: {e}") from None
+        return kwargs
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]
@@ -201,10 +224,12 @@ def load_dataset(cfg: Config) -> Dataset:
     distance = None
     if cfg.dataset == "long-range":
         task = cfg.long_range_task
-        tr = make_long_range(cfg.long_range_train, seed=cfg.seed, attribute=task)
-        te = make_long_range(cfg.long_range_test, seed=cfg.seed + 1_000_000, attribute=task)  # a disjoint stream
+        bg = cfg.long_range_background
+        tr = make_long_range(cfg.long_range_train, seed=cfg.seed, attribute=task, background=bg)
+        te = make_long_range(cfg.long_range_test, seed=cfg.seed + 1_000_000, attribute=task,  # a disjoint stream
+                             background=bg)
         data = ImageData(tr["images"], tr["labels"], te["images"], te["labels"], CLASSES[task],
-                         f"generated long-range task ({task})")
+                         f"generated long-range task ({task}, {bg} background)")
         distance = te["distance"]
     else:
         data = load_cifar(cfg.data_dir, download=cfg.download)
@@ -226,9 +251,9 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     images), checked against the data before anything is written."""
     preset, data = cfg.preset(family), ds.data
     size = tuple(data.train_x.shape[-2:])
-    over: dict[str, Any] = {"num_classes": len(data.classes)}
+    over: dict[str, Any] = {**cfg.model_kwargs(family), "num_classes": len(data.classes)}
     if family == "vit":
-        patch = to_2tuple(vitattn.get_config(preset).patch_size)
+        patch = to_2tuple(vitattn.get_config(preset, **cfg.model_kwargs(family)).patch_size)
         if size[0] % patch[0] or size[1] % patch[1]:
             raise UsageError(f"the images are {size[0]}x{size[1]}, which {preset}'s {patch[0]}x{patch[1]} patches "
                              "do not tile; choose a ViT preset whose patch size divides the image size")
@@ -528,6 +553,8 @@ def resumed_config(config: Config) -> Config:
         raise UsageError(f"--resume {run}: no such run folder")
     try:
         saved = json.loads((run / "config.json").read_text())
+        if isinstance(saved, dict):  # runs from before the option was added drew on the texture
+            saved.setdefault("long_range_background", "texture")
         return Config(**{**saved, "resume": str(run), "out": str(run), "progress": config.progress})
     except FileNotFoundError:
         raise UsageError(f"--resume {run}: no config.json there; expected a folder written by train_cifar.py") from None

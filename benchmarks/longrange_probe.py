@@ -1,17 +1,22 @@
-"""Where a model fails on the pointing task: perception, read-out or relation.
+"""Where a model fails on a long-range task: perception, read-out or relation.
 
-Trains one preset for a few minutes on a variant of ``make_long_range(attribute='pointing')`` and
-prints held-out accuracy every 30 s of training steps (AdamW or Nesterov SGD, warmup + cosine,
-clipping at 1, batch 64, horizontal flips where they keep the label):
+Trains one preset for a few minutes on a variant of ``make_long_range`` and prints held-out
+accuracy every 30 s of training steps (AdamW or Nesterov SGD, warmup + cosine, clipping at 1,
+batch 64, horizontal flips where they keep the label):
 
-- ``--target label``: the task itself (does the arrow point at the plus?);
-- ``--target direction``: only which way the arrow points (4 classes): can it see the arrow?
-- ``--cue colour``: the arrow's colour names its direction (colours 0-3), the plus takes colour
-  4 or 5, so a linear patch embedding can see the direction; no flips (they would change it).
+- ``--task``: ``pointing`` (does the arrow point at the plus?), ``alignment`` (one row or one
+  column?) or ``colour`` (do the two marks share a colour? pooled colour detectors solve it);
+- ``--background``: ``texture`` (colour blobs, stripes, noise) or ``plain`` (one grey level):
+  is finding the marks part of what fails?
+- ``--target direction`` (pointing only): which way the arrow points (4 classes): can it see the arrow?
+- ``--cue colour`` (pointing only): the arrow's colour names its direction (colours 0-3), the plus
+  takes colour 4 or 5, so a linear patch embedding can see the direction; no flips.
 
     python benchmarks/longrange_probe.py --preset vit_cifar_small_patch4 --target direction \
         --over '{"class_token": false, "global_pool": "max"}' --minutes 1
     python benchmarks/longrange_probe.py --preset cnn_cifar_small --sgd --lr 0.1 --wd 5e-4 --cue colour
+    python benchmarks/longrange_probe.py --task colour --background plain --minutes 1.5 \
+        --over '{"depth": 4, "class_token": false, "global_pool": "max"}'
 """
 
 from __future__ import annotations
@@ -25,22 +30,25 @@ import torch.nn.functional as F
 
 import vitattn
 from vitattn.data import Normalize, channel_stats
-from vitattn.longrange import make_long_range_specs, render_long_range
+from vitattn.longrange import BACKGROUNDS, make_long_range_specs, render_long_range
 from vitattn.train import evaluate, get_lr, param_groups
 
 
-def scenes(n: int, seed: int, target: str, cue: str) -> tuple[torch.Tensor, torch.Tensor]:
-    s = make_long_range_specs(n, seed=seed, attribute="pointing")
+def scenes(n: int, seed: int, task: str, background: str, target: str, cue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    s = make_long_range_specs(n, seed=seed, attribute=task)
     if cue == "colour":
         s["colours"][:, 0] = s["direction"]
         s["colours"][:, 1] = 4 + s["colours"][:, 1] % 2
-    return render_long_range(s), (s["labels"] if target == "label" else s["direction"]).long()
+    images = render_long_range(s, background=background)
+    return images, (s["labels"] if target == "label" else s["direction"]).long()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="vit_cifar_small_patch4")
     p.add_argument("--over", default="{}", help="JSON of config overrides")
+    p.add_argument("--task", default="pointing", choices=("pointing", "alignment", "colour"))
+    p.add_argument("--background", default="texture", choices=tuple(BACKGROUNDS))
     p.add_argument("--target", default="label", choices=("label", "direction"))
     p.add_argument("--cue", default="shape", choices=("shape", "colour"))
     p.add_argument("--lr", type=float, default=1e-3)
@@ -50,8 +58,10 @@ def main() -> None:
     p.add_argument("--train", type=int, default=20_000)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    x, y = scenes(a.train, a.seed, a.target, a.cue)
-    xt, yt = scenes(2000, a.seed + 1_000_000, a.target, a.cue)
+    if a.task != "pointing" and (a.target != "label" or a.cue != "shape"):
+        p.error("--target direction and --cue colour belong to --task pointing")
+    x, y = scenes(a.train, a.seed, a.task, a.background, a.target, a.cue)
+    xt, yt = scenes(2000, a.seed + 1_000_000, a.task, a.background, a.target, a.cue)
     norm = Normalize(*channel_stats(x))
     torch.manual_seed(a.seed)
     model = vitattn.create_model(a.preset, num_classes=2 if a.target == "label" else 4, **json.loads(a.over))
@@ -85,7 +95,8 @@ def main() -> None:
             if spent >= budget:
                 break
     acc = evaluate(model, norm, xt, yt)["acc"]
-    print(f"final test accuracy {acc:.4f} ({a.preset} {a.over}, target {a.target}, cue {a.cue})")
+    print(f"final test accuracy {acc:.4f} ({a.preset} {a.over}, task {a.task}, background {a.background}, "
+          f"target {a.target}, cue {a.cue})")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ difference g_b(true labels) - g_b(shuffled) isolates the part that depends on th
 place carries gives a model whose features are still local (or uniformly mixed) exactly that.
 
     python benchmarks/longrange_signal.py --preset vit_cifar_patch4 cnn_cifar --task alignment colour
+    python benchmarks/longrange_signal.py --preset vit_cifar_patch4_maxpool --task alignment --background plain
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 import vitattn
 from vitattn.data import Normalize, channel_stats
-from vitattn.longrange import ATTRIBUTES, make_long_range
+from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, make_long_range
 
 
 def gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> torch.Tensor:
@@ -48,14 +49,16 @@ def main() -> None:
     p.add_argument("--preset", nargs="+", default=["vit_cifar_patch4", "cnn_cifar"])
     p.add_argument("--over", default="{}", help="JSON of config overrides for every preset")
     p.add_argument("--task", nargs="+", default=["alignment", "colour"], choices=ATTRIBUTES)
+    p.add_argument("--background", default="texture", choices=tuple(BACKGROUNDS))
     p.add_argument("--batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     batch = 64
+    print(f"background: {a.background}\n")
     print("| model | task | coherence, true labels | shuffled labels | label part (true - shuffled) |\n"
           "|---|---|---:|---:|---:|")
     for task in a.task:
-        data = make_long_range(a.batches * batch, seed=a.seed, attribute=task)
+        data = make_long_range(a.batches * batch, seed=a.seed, attribute=task, background=a.background)
         norm = Normalize(*channel_stats(data["images"]))
         x, y = norm(data["images"]), data["labels"]
         shuffled = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(a.seed))]

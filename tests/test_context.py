@@ -240,6 +240,22 @@ def test_long_range_marks_are_drawn_where_the_specs_say():
     assert ((both != none).any(1).sum((1, 2)) == 10).all()
 
 
+def test_plain_background_is_one_grey_level_and_the_marks_are_the_same():
+    s = make_long_range_specs(40, seed=3, attribute="alignment")
+    plain = render_long_range(s, background="plain")
+    empty = render_long_range(s, marks=(False, False), background="plain")
+    flat = empty.flatten(1)
+    assert (flat == flat[:, :1]).all() and flat[:, 0].float().std() > 5  # flat per image, varied between images
+    for i in range(40):
+        for m in (0, 1):
+            r, c = s["centres"][i, m].tolist()
+            patch = plain[i, :, r - 1:r + 2, c - 1:c + 2].permute(1, 2, 0)[GLYPHS[s["shapes"][i, m]]]
+            assert (patch == MARK_COLOURS[s["colours"][i, m]].to(torch.uint8)).all()
+    assert ((plain != empty).any(1).sum((1, 2)) == 10).all()  # nothing but two 5-pixel glyphs
+    with pytest.raises(ValueError, match="background must be one of"):
+        render_long_range(s, background="stars")
+
+
 def test_accuracy_by_distance_bins():
     correct = torch.tensor([True, False, True, True])
     dist = torch.tensor([4.0, 5.0, 20.0, 30.0])

@@ -252,6 +252,27 @@ def test_the_relation_tasks_run_end_to_end(tmp_path, task, classes, edges):
     assert sum(by["count"]) == 64 and len(by["accuracy"]) == edges
 
 
+def test_model_kwargs_change_the_preset_and_are_recorded(tmp_path):
+    s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_train=96, long_range_test=64, epochs=1,
+                    model="both", vit_preset="vit_cifar_small_patch4",
+                    vit_kwargs='{"depth": 1, "pos_embed": "sincos2d"}', cnn_kwargs='{"widths": [16, 32]}'))
+    vit, cnn = s["modules"]["vit"], s["modules"]["cnn"]
+    assert len(vit.blocks) == 1 and vit.config.pos_embed == "sincos2d" and vit.num_classes == 2
+    assert len(cnn.stages) == 2 and len(s["models"]["cnn"]["erf_radius_px"]) == 2  # one per stage
+    saved = json.loads((Path(s["out"]) / "config.json").read_text())
+    assert json.loads(saved["vit_kwargs"]) == {"depth": 1, "pos_embed": "sincos2d"}
+    assert "plain background" in s["data_source"]
+
+
+def test_a_run_from_before_the_background_option_resumes_on_its_texture(tmp_path):
+    out = tmp_path / "old"
+    out.mkdir()
+    saved = {k: v for k, v in dataclasses.asdict(T.Config(dataset="long-range", out=str(out))).items()
+             if k != "long_range_background"}
+    (out / "config.json").write_text(json.dumps(saved))
+    assert T.resumed_config(T.Config(resume=str(out))).long_range_background == "texture"
+
+
 # -- nothing lost ----------------------------------------------------------------------------
 @pytest.mark.parametrize("family, kw", [("cnn", {}), ("vit", dict(model="vit", optimizer="muon", lr=1e-3))],
                          ids=["cnn-sgd", "vit-muon"])
@@ -396,6 +417,11 @@ BAD_OPTIONS = [
     (["--resume", "runs/x", "--epochs", "3"], "drop .*--epochs"),
     (["--device", "tpu"], "not a device torch knows"),
     (["--seed", "-1"], "--seed must be >= 0"),
+    (["--vit-kwargs", "{depth: 2}"], "--vit-kwargs must be a JSON object"),
+    (["--vit-kwargs", "[2]"], "--vit-kwargs must be a JSON object of config fields"),
+    (["--vit-kwargs", '{"dept": 2}'], r"--vit-kwargs: .*no option\(s\) \['dept'\]"),
+    (["--cnn-kwargs", '{"stem": "fft"}'], "--cnn-kwargs: .*stem"),
+    (["--long-range-background", "stars"], "invalid choice"),
     (["--seed", str(2**70)], r"--seed must be below 2\*\*32"),
 ]
 

@@ -1,10 +1,12 @@
 """A long-range task made on the fly: are two distant marks the same?
 
-Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a textured, noisy
-background. The label is ``same`` when the two marks match in one attribute (``'colour'`` by
-default, or ``'shape'``), ``different`` otherwise; the other attribute is drawn per mark as a
-nuisance. The marks sit a controlled distance apart (pixels between their centres), so accuracy
-against distance shows how well a model relates two regions as they move apart.
+Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a background:
+colour blobs, stripes and noise (``background='texture'``, the default here), or one grey level
+(``'plain'``, train_cifar's default, where finding the marks is trivial). The label is ``same``
+when the two marks match in one attribute (``'colour'`` by default, or ``'shape'``),
+``different`` otherwise; the other attribute is drawn per mark as a nuisance. The marks sit a
+controlled distance apart (pixels between their centres), so accuracy against distance shows
+how well a model relates two regions as they move apart.
 
 Why the label cannot be read off one place:
 - each mark's shape and colour have the same distribution in both classes (the first is uniform;
@@ -123,6 +125,18 @@ def textured_background(n: int, img_size: int, gen: torch.Generator) -> torch.Te
     stripes = torch.sin(freq * (xx * torch.cos(theta) + yy * torch.sin(theta)) + phase)[:, None]
     noise = torch.randn(n, 3, img_size, img_size, generator=gen)
     return (grey + 60 * blobs + 14 * stripes + 12 * noise).clamp(0, 255)
+
+
+def plain_background(n: int, img_size: int, gen: torch.Generator) -> torch.Tensor:
+    """``(n, 3, H, W)`` float in [0, 255]: one flat grey level per image (70-140), so finding a
+    mark is trivial and the task tests relating the marks, not finding them."""
+    grey = 70 + 70 * torch.rand(n, 1, 1, 1, generator=gen)
+    return grey.expand(n, 3, img_size, img_size).clone()
+
+
+# 'texture' makes finding a 3x3 mark hard for a linear patch embedding (docs/context.md
+# measures it); 'plain' leaves the relation as the only hard part.
+BACKGROUNDS = {"texture": textured_background, "plain": plain_background}
 
 
 def _target_distances(num: int, distances, gen: torch.Generator,
@@ -282,12 +296,15 @@ def _alignment_specs(labels: torch.Tensor, distances, img_size: int, gen: torch.
 
 
 def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
-                      marks: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+                      marks: tuple[bool, bool] = (True, True), background: str = "texture") -> torch.Tensor:
     """``(n, 3, H, W)`` uint8 images for ``make_long_range_specs``' output; ``marks`` chooses
-    which of the two marks to draw (for tests of what one mark alone reveals)."""
+    which of the two marks to draw (for tests of what one mark alone reveals), ``background``
+    what they are drawn on (``BACKGROUNDS``: ``'texture'`` or ``'plain'``)."""
+    if background not in BACKGROUNDS:
+        raise ValueError(f"background must be one of {tuple(BACKGROUNDS)}, got {background!r}")
     n = len(specs["labels"])
     gen = torch.Generator().manual_seed(int(specs["seed"]) + 1_000_003)  # background stream
-    img = textured_background(n, img_size, gen)
+    img = BACKGROUNDS[background](n, img_size, gen)
     gy, gx = torch.meshgrid(torch.arange(-1, 2), torch.arange(-1, 2), indexing="ij")
     for m in (0, 1):
         if not marks[m]:
@@ -305,15 +322,17 @@ def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
 
 def make_long_range(num: int, *, seed: int, img_size: int = 32,
                     distances: float | Sequence[float] | None = None,
-                    attribute: str = "colour") -> dict[str, torch.Tensor]:
+                    attribute: str = "colour", background: str = "texture") -> dict[str, torch.Tensor]:
     """``num`` images of the long-range task: ``images`` (n, 3, H, W) uint8, ``labels`` (n,) int64
     (index into ``LONG_RANGE_CLASSES``), ``distance`` (n,) float32 in pixels between the mark
     centres. ``distances``: ``None`` for uniform in 4-28 px, a number, or a list of numbers that
     share the images equally. ``attribute``: ``'colour'`` (the default: same colour or not),
     ``'shape'`` (same glyph or not, slower to learn), ``'pointing'`` or ``'alignment'`` (labels
-    index ``CLASSES[attribute]``). The same seed gives the same data."""
+    index ``CLASSES[attribute]``). ``background``: ``'texture'`` (colour blobs, stripes and
+    noise) or ``'plain'`` (a grey level and noise). The same seed gives the same data."""
     specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances, attribute=attribute)
-    return dict(images=render_long_range(specs, img_size=img_size), labels=specs["labels"].long(),
+    return dict(images=render_long_range(specs, img_size=img_size, background=background),
+                labels=specs["labels"].long(),
                 distance=specs["distance"].float())
 
 

@@ -76,7 +76,7 @@ DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 # counts matched, so accuracy against distance compares architectures, not sizes.
 DEFAULT_PRESETS: dict[str, dict[str, str]] = {
     "cifar10": {"vit": "vit_cifar_small_patch4", "cnn": "cnn_cifar_whiten"},
-    "long-range": {"vit": "vit_cifar_patch4", "cnn": "cnn_cifar"},
+    "long-range": {"vit": "vit_cifar_patch4_maxpool", "cnn": "cnn_cifar"},
 }
 
 
