@@ -389,6 +389,8 @@ def test_configs_round_trip_through_json(tmp_path, folder):
 def test_long_range_recipe_takes_small_batches_and_overrides_still_win():
     cnn = T.Config(dataset="long-range").recipe("cnn")
     assert (cnn.batch_size, cnn.lr) == (64, 0.1)
+    vit = T.Config(dataset="long-range").recipe("vit")
+    assert (vit.batch_size, vit.lr, vit.optimizer) == (64, RECIPES["vit"].lr, RECIPES["vit"].optimizer)
     assert T.Config(dataset="long-range", batch_size=128).recipe("cnn").batch_size == 128
     assert T.Config().recipe("cnn").batch_size == RECIPES["cnn"].batch_size  # CIFAR-10 unchanged
 
