@@ -24,7 +24,8 @@ as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'``
 ``'pointing'`` and ``'alignment'`` label a relation of places instead: does an arrow point at
 a plus, and are the two marks in one row or in one column (``_alignment_specs``)? Only the
 alignment task is closed: every part of a scene short of both places together says nothing
-about its label (``view_accuracy``), so pooling local detectors cannot solve it.
+about its label (``view_accuracy``), so pooling local detectors cannot solve it unless they know
+their place (a ViT's position table does; docs/context.md measures it).
 ``view_accuracy`` measures what a part of the scene alone tells about the label (``VIEWS``: one
 mark, the unordered appearances, one mark's shape with the other's place, the offset...).
 
@@ -260,8 +261,9 @@ def _pointing_specs(labels: torch.Tensor, target: torch.Tensor, img_size: int, g
 
 def _alignment_specs(labels: torch.Tensor, distances, img_size: int, gen: torch.Generator,
                      seed: int) -> dict[str, torch.Tensor]:
-    """The closed relation task: two marks ``k`` px apart (shapes and colours drawn independently
-    per mark), in one row (``same row``, 0) or in one column (``same column``, 1).
+    """The relation task closed to every view short of both places: two marks ``k`` px apart
+    (shapes and colours drawn independently per mark), in one row (``same row``, 0) or in one
+    column (``same column``, 1).
 
     A square window of ``2k x 2k`` mark centres is placed uniformly in the image, the first
     centre uniformly in the window, and the second is its partner ``k`` cells further along the

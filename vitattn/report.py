@@ -66,7 +66,8 @@ def context_metrics(model: nn.Module, images: torch.Tensor, erf_images: int = 32
 # ---------------------------------------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display here or in CI)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,19 +76,20 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path, caption: str) -> Figure:
+def save_figure(fig, path: Path, caption: str) -> Figure:
+    """Write ``fig`` to ``path`` through a temp file, close it; returns ``(file name, caption)``."""
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
     tmp.replace(path)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path.name, caption
 
 
 def plot_curves(out: Path, metrics: list[dict], families) -> Figure:
     """Loss and test accuracy per epoch, and test accuracy against training minutes
     (time to accuracy), both models on one figure."""
-    fig, ax = _pyplot().subplots(1, 3, figsize=(15, 4))
+    fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
     for fam in families:
         rows = [m for m in metrics if m["model"] == fam]
         ep = [m["epoch"] for m in rows]
@@ -101,12 +103,12 @@ def plot_curves(out: Path, metrics: list[dict], families) -> Figure:
     for a in ax:
         a.grid(alpha=0.3)
         a.legend()
-    return _save(fig, out / "curves.png", "Training curves; right: test accuracy against training minutes")
+    return save_figure(fig, out / "curves.png", "Training curves; right: test accuracy against training minutes")
 
 
 def plot_context(out: Path, context: dict) -> Figure:
     """ViT attention distance per block and head, beside every model's ERF radius per layer."""
-    fig, ax = _pyplot().subplots(1, 2, figsize=(12, 4.5))
+    fig, ax = pyplot().subplots(1, 2, figsize=(12, 4.5))
     for fam, c in context.items():
         radii = [e["radius_px"] for e in c["erf"]]
         rel = [(i + 1) / len(radii) for i in range(len(radii))]
@@ -126,13 +128,13 @@ def plot_context(out: Path, context: dict) -> Figure:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend()
-    return _save(fig, out / "context.png", "How far each layer looks: ViT mean attention distance per block and "
-                 "head (left); ERF radius per ViT block and CNN stage on one pixel axis (right)")
+    return save_figure(fig, out / "context.png", "How far each layer looks: ViT mean attention distance per block "
+                       "and head (left); ERF radius per ViT block and CNN stage on one pixel axis (right)")
 
 
 def plot_erf(out: Path, context: dict) -> Figure:
     n = max(len(c["erf"]) for c in context.values())
-    fig, ax = _pyplot().subplots(len(context), n, figsize=(2.2 * n, 2.4 * len(context)), squeeze=False)
+    fig, ax = pyplot().subplots(len(context), n, figsize=(2.2 * n, 2.4 * len(context)), squeeze=False)
     for row, (fam, c) in enumerate(context.items()):
         for i, a in enumerate(ax[row]):
             a.axis("off")
@@ -140,11 +142,11 @@ def plot_erf(out: Path, context: dict) -> Figure:
                 e = c["erf"][i]
                 a.imshow((e["grad"] / e["grad"].max()).numpy(), cmap="magma")
                 a.set_title(f"{NAMES[fam]} {e['name']}\nr={e['radius_px']:.1f}px", fontsize=8)
-    return _save(fig, out / "erf.png", "Effective receptive fields: |d centre unit / d input| per layer")
+    return save_figure(fig, out / "erf.png", "Effective receptive fields: |d centre unit / d input| per layer")
 
 
 def plot_distance(out: Path, results: dict) -> Figure:
-    fig, a = _pyplot().subplots(figsize=(6, 4))
+    fig, a = pyplot().subplots(figsize=(6, 4))
     for fam, r in results.items():
         b = r["accuracy_by_distance"]
         a.plot(b["centres"], b["accuracy"], "o-", label=f"{NAMES[fam]} ({r['params'] / 1e6:.2f} M params)")
@@ -152,7 +154,7 @@ def plot_distance(out: Path, results: dict) -> Figure:
     a.set(xlabel="distance between the marks (px)", ylabel="test accuracy", title="accuracy against mark distance")
     a.legend()
     a.grid(alpha=0.3)
-    return _save(fig, out / "distance.png", "Long-range task: accuracy against mark distance")
+    return save_figure(fig, out / "distance.png", "Long-range task: accuracy against mark distance")
 
 
 def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
@@ -160,7 +162,7 @@ def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
     images ``(4, 3, H, W)`` in [0, 1]."""
     heads = c["heads_last"].shape[1]
     cols = 2 + 2 * heads
-    fig, ax = _pyplot().subplots(len(images), cols, figsize=(1.7 * cols, 1.8 * len(images)), squeeze=False)
+    fig, ax = pyplot().subplots(len(images), cols, figsize=(1.7 * cols, 1.8 * len(images)), squeeze=False)
     for i, im in enumerate(images):
         img = im.permute(1, 2, 0).clamp(0, 1).numpy()
         ax[i, 0].imshow(img)
@@ -175,8 +177,8 @@ def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
         ax[0, j].set_title(title, fontsize=8)
     for a in ax.flat:
         a.axis("off")
-    return _save(fig, out / "attention.png", "Attention rollout (Abnar & Zuidema 2020) and where each head of the "
-                 "class token (the centre patch without one) looks, in the first and last block")
+    return save_figure(fig, out / "attention.png", "Attention rollout (Abnar & Zuidema 2020) and where each head "
+                       "of the class token (the centre patch without one) looks, in the first and last block")
 
 
 def plot_examples(out: Path, images: torch.Tensor, labels: torch.Tensor, classes, n: int = 16) -> Figure:
@@ -184,13 +186,13 @@ def plot_examples(out: Path, images: torch.Tensor, labels: torch.Tensor, classes
     n = min(n, len(images))
     cols = min(8, n)
     rows = -(-n // cols)
-    fig, ax = _pyplot().subplots(rows, cols, figsize=(1.4 * cols, 1.55 * rows), squeeze=False)
+    fig, ax = pyplot().subplots(rows, cols, figsize=(1.4 * cols, 1.55 * rows), squeeze=False)
     for i, a in enumerate(ax.flat):
         a.axis("off")
         if i < n:
             a.imshow(images[i].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
             a.set_title(str(classes[int(labels[i])]), fontsize=8)
-    return _save(fig, out / "examples.png", "Test images and their labels")
+    return save_figure(fig, out / "examples.png", "Test images and their labels")
 
 
 def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, images: torch.Tensor,
