@@ -109,9 +109,9 @@ class Config:
                                   "relating the two places tells), 'colour' / 'shape' (do the marks match? pooled "
                                   "detectors count it) or 'pointing' (does the arrow point at the plus?)",
                                   choices=ATTRIBUTES)
-    long_range_background: str = option("plain", "what the long-range marks are drawn on: 'plain' (a grey level and "
-                                        "noise: only the relation is hard) or 'texture' (colour blobs and "
-                                        "stripes: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
+    long_range_background: str = option("plain", "what the long-range marks are drawn on: 'plain' (one grey level: "
+                                        "finding the marks is trivial) or 'texture' (colour blobs, stripes and "
+                                        "noise: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only the first N training images")
@@ -251,9 +251,10 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     images), checked against the data before anything is written."""
     preset, data = cfg.preset(family), ds.data
     size = tuple(data.train_x.shape[-2:])
-    over: dict[str, Any] = {**cfg.model_kwargs(family), "num_classes": len(data.classes)}
+    kwargs = cfg.model_kwargs(family)
+    over: dict[str, Any] = {**kwargs, "num_classes": len(data.classes)}
     if family == "vit":
-        patch = to_2tuple(vitattn.get_config(preset, **cfg.model_kwargs(family)).patch_size)
+        patch = to_2tuple(vitattn.get_config(preset, **kwargs).patch_size)
         if size[0] % patch[0] or size[1] % patch[1]:
             raise UsageError(f"the images are {size[0]}x{size[1]}, which {preset}'s {patch[0]}x{patch[1]} patches "
                              "do not tile; choose a ViT preset whose patch size divides the image size")

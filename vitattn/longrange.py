@@ -130,13 +130,13 @@ def textured_background(n: int, img_size: int, gen: torch.Generator) -> torch.Te
 
 def plain_background(n: int, img_size: int, gen: torch.Generator) -> torch.Tensor:
     """``(n, 3, H, W)`` float in [0, 255]: one flat grey level per image (70-140), so finding a
-    mark is trivial and the task tests relating the marks, not finding them."""
+    mark is trivial and only where the marks are is left to work out."""
     grey = 70 + 70 * torch.rand(n, 1, 1, 1, generator=gen)
     return grey.expand(n, 3, img_size, img_size).clone()
 
 
-# 'texture' makes finding a 3x3 mark hard for a linear patch embedding (docs/context.md
-# measures it); 'plain' leaves the relation as the only hard part.
+# On 'texture' a ViT does not find the 3x3 marks in minutes (docs/context.md); 'plain' leaves
+# their places as the only thing to work out.
 BACKGROUNDS = {"texture": textured_background, "plain": plain_background}
 
 
