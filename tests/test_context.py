@@ -385,3 +385,42 @@ def test_bag_of_local_features_control_sees_5x5_and_forgets_where():
     perm = torch.randperm(32 * 32, generator=torch.Generator().manual_seed(0))
     shuffled = f.flatten(2)[..., perm].view_as(f)
     torch.testing.assert_close(m.forward_head(shuffled), m.forward_head(f))  # the head reads a bag
+
+
+def _two_mark_images() -> torch.Tensor:
+    """A grey image, the same with mark A (top left), with mark B (bottom right) and with both:
+    ``(4, 3, 32, 32)`` in the order none, A, B, both."""
+    x = torch.full((4, 3, 32, 32), 0.1)
+    x[1::2, :, 1:4, 1:4] = torch.tensor([1.0, -1.0, 0.5])[:, None, None]  # A in images 1 and 3
+    x[2:, :, 26:29, 27:30] = torch.tensor([-1.0, 1.0, 0.2])[:, None, None]  # B in images 2 and 3
+    return x
+
+
+def interaction(model: nn.Module) -> float:
+    """``|f(A and B) - f(A) - f(B) + f(none)|``, largest over logits, over the larger effect of
+    one mark alone: what the two marks do together beyond what each does alone; zero for a
+    read-out that adds up places apart."""
+    with torch.no_grad():
+        none, a, b, both = model.eval()(_two_mark_images())
+    alone = torch.stack([(a - none).abs().max(), (b - none).abs().max()]).max()
+    return ((both - a - b + none).abs().max() / alone).item()
+
+
+def test_average_read_out_adds_up_places_unless_a_layer_reaches_across():
+    """With a mean over places and a linear head, marks seen by no common unit add up exactly
+    (the ViT without token mixing, the one-stage CNN with 10-px fields), so such a model cannot
+    tell the alignment task's two labels apart beyond 3 in 4 (docs/context.md); attention or
+    a deep enough CNN lets them interact. A max read-out lets them interact without reach."""
+    torch.manual_seed(0)
+    gap = dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=2,
+               class_token=False, global_pool="avg", fc_norm=False)
+    local = dict(window_size=1, window_block_indexes=[0, 1])
+    assert interaction(ViT(**gap, **local)) < 1e-4  # float error only (measured 2e-6)
+    assert interaction(ViT(**gap)) > 1e-3  # at initialisation, near-uniform attention (7e-3)
+    assert interaction(ViT(**{**gap, "global_pool": "max"}, **local)) > 0.1
+    cnn = dict(stem_width=8, num_classes=2, global_pool="avg")
+    assert interaction(SmallCNN(**cnn, widths=(16,))) < 1e-4
+    assert interaction(SmallCNN(**cnn, widths=(16, 16, 16))) > 1e-3
+    assert interaction(SmallCNN(**{**cnn, "global_pool": "max"}, widths=(16,))) > 0.1
+    with pytest.raises(ValueError, match="global_pool must be 'max' or 'avg', got 'token'"):
+        CNNConfig(global_pool="token")

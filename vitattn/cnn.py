@@ -1,9 +1,9 @@
 """A small CNN baseline with the ViT's interface.
 
 Each stage is ``conv3x3 -> max-pool /2 -> BN -> GELU -> conv3x3 -> BN -> GELU``, after a
-3x3 stem; a 32x32 image becomes a 4x4 map after three stages, then global max-pool and a linear
-head. A convolution sees only its 3x3 neighbourhood, so the view of a unit widens layer by
-layer; ``vitattn.context`` measures how far.
+3x3 stem; a 32x32 image becomes a 4x4 map after three stages, then a global max-pool (or mean,
+``global_pool='avg'``) and a linear head. A convolution sees only its 3x3 neighbourhood, so the
+view of a unit widens layer by layer; ``vitattn.context`` measures how far.
 
 Three details from airbench make the network take a high learning rate in a short run (the CIFAR
 presets turn them on; docs/training.md has the ablation): logits scaled by 1/9 (``head_scale``),
@@ -45,9 +45,12 @@ class CNNConfig:
     bn_weight: bool = True  # learn BatchNorm's scale; False keeps it at 1 (airbench: only the shift is learned)
     dirac_init: bool = False  # start each conv as an identity on its first in-channels (an implicit residual)
     stem: str = "conv"  # 'conv': conv3x3-BN-GELU; 'whiten': frozen 2x2 patch-whitening conv + GELU (airbench)
+    global_pool: str = "max"  # 'max' (airbench) or 'avg': a mean makes the logits a sum over places
 
     def __post_init__(self) -> None:
         self.widths = tuple(self.widths)
+        if self.global_pool not in ("max", "avg"):
+            raise ValueError(f"global_pool must be 'max' or 'avg', got {self.global_pool!r}")
         if self.stem not in ("conv", "whiten"):
             raise ValueError(f"stem must be 'conv' or 'whiten', got {self.stem!r}")
         if self.stem == "whiten" and self.stem_width != 8 * self.in_chans:
@@ -152,8 +155,8 @@ class SmallCNN(nn.Module):
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``(B, C, h, w) -> (B, num_classes)``: global max-pool, dropout, linear."""
-        x = self.head_drop(x.amax(dim=(2, 3)))
+        """``(B, C, h, w) -> (B, num_classes)``: global max- or average-pool, dropout, linear."""
+        x = self.head_drop(x.amax(dim=(2, 3)) if self.config.global_pool == "max" else x.mean(dim=(2, 3)))
         return x if pre_logits else self.head(x) * self.config.head_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

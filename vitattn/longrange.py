@@ -25,7 +25,10 @@ as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'``
 a plus, and are the two marks in one row or in one column (``_alignment_specs``)? Only the
 alignment task is closed: every part of a scene short of both places together says nothing
 about its label (``view_accuracy``), so pooling local detectors cannot solve it unless they know
-their place (a ViT's position table does; docs/context.md measures it).
+their place. Read out by a mean over places and a linear head, even detectors that know their
+place cannot pass 3 in 4 (the scenes come in equally likely rectangles of two row pairs and two
+column pairs, and a sum of one-mark terms gets at most three of the four right): some place
+must see both marks, which is what a model's reach is (docs/context.md measures it).
 ``view_accuracy`` measures what a part of the scene alone tells about the label (``VIEWS``: one
 mark, the unordered appearances, one mark's shape with the other's place, the offset...).
 
@@ -272,6 +275,9 @@ def _alignment_specs(labels: torch.Tensor, distances, img_size: int, gen: torch.
     and the window depends only on ``k``: one mark alone (place, shape, colour), the other's place
     with any appearance, and the pair of appearances hold both labels equally (``view_accuracy``).
     Only the two places together, their offset ``(0, +-k)`` or ``(+-k, 0)``, tell the label.
+    The row and column partner maps commute, so the corners ``u``, ``u + k e_row``,
+    ``u + k e_col``, ``u + k (e_row + e_col)`` (mod ``2k``) make four equally likely scenes, two
+    of each label, on which any sum ``f(mark 0) + f(mark 1)`` errs at least once.
     """
     num = len(labels)
     top = (img_size - 2) // 2  # centres live in 1..H-2: a 2k window fits while 2k <= H - 2

@@ -34,6 +34,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                              mlp_ratio=2.0, num_classes=10, class_token=False, global_pool="max"),
                                  "vitattn: vit_cifar_patch4 read out by a max over patch tokens (as the CNN is), "
                                  "no class token"),
+    "vit_cifar_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
+                                                mlp_ratio=2.0, num_classes=10, class_token=False, global_pool="avg",
+                                                fc_norm=False, pos_embed="sincos2d"),
+                                    "vitattn: vit_cifar_patch4 read out by a mean over patch tokens (timm's "
+                                    "'gap' models: logits add up over places) with fixed 2-D sin-cos positions"),
+    "vit_cifar_shallow_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3,
+                                                        mlp_ratio=2.0, num_classes=10, class_token=False,
+                                                        global_pool="avg", fc_norm=False, pos_embed="sincos2d"),
+                                            "vitattn: vit_cifar_patch4_gap_sincos with two blocks, ~0.6M params: the "
+                                            "long-range default (six blocks do not leave chance in its three epochs)"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                            mlp_ratio=2.0, num_classes=10),
                                "vitattn: vit_cifar_patch4 at width 128, ~0.8M params: more epochs per CPU minute"),
@@ -47,6 +57,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     # shifts only, identity-started convs, which let it take a high lr in a short run.
     "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, **_AIRBENCH),
                   "airbench94's network shape (Jordan 2024), ~2M params"),
+    "cnn_cifar_gap": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, global_pool="avg", **_AIRBENCH),
+                      "vitattn: cnn_cifar read out by a mean over places (logits add up over places)"),
     "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
                        "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params"),
     "cnn_cifar_whiten": ("cnn", dict(stem="whiten", stem_width=24, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
