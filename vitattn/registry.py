@@ -16,6 +16,8 @@ from .cnn import CNNConfig, SmallCNN
 from .vit import ViT, ViTConfig
 
 _AIRBENCH = dict(head_scale=1 / 9, bn_weight=False, dirac_init=True)
+# A mean over patch tokens with no norm after it (timm's '*_gap' ViTs) and fixed 2-D positions.
+_GAP_SINCOS = dict(class_token=False, global_pool="avg", fc_norm=False, pos_embed="sincos2d")
 
 # name: (family, config fields, source)
 PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -35,13 +37,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                  "vitattn: vit_cifar_patch4 read out by a max over patch tokens (as the CNN is), "
                                  "no class token"),
     "vit_cifar_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
-                                                mlp_ratio=2.0, num_classes=10, class_token=False, global_pool="avg",
-                                                fc_norm=False, pos_embed="sincos2d"),
+                                                mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
                                     "vitattn: vit_cifar_patch4 read out by a mean over patch tokens (timm's "
                                     "'gap' models: logits add up over places) with fixed 2-D sin-cos positions"),
     "vit_cifar_shallow_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3,
-                                                        mlp_ratio=2.0, num_classes=10, class_token=False,
-                                                        global_pool="avg", fc_norm=False, pos_embed="sincos2d"),
+                                                        mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
                                             "vitattn: vit_cifar_patch4_gap_sincos with two blocks, ~0.6M params: the "
                                             "long-range default (six blocks do not leave chance in its three epochs)"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
