@@ -80,9 +80,52 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
 
 
+def _muon_steps(opt_cls, shapes, steps=3, **kw):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    opt = opt_cls(ps, lr=0.02, weight_decay=0.1, **kw)
+    for i in range(steps):
+        torch.manual_seed(10 + i)
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("adjust", [None, "match_rms_adamw", "spectral_unclamped"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_in_bfloat16_steps_exactly_as_torch_and_in_fp32_close_to_it(adjust, nesterov):
+    from vitattn.train import Muon
+    shapes = [(48, 16), (16, 40), (24, 24)]  # tall, wide, square
+    ref, ref_opt = _muon_steps(torch.optim.Muon, shapes, nesterov=nesterov, adjust_lr_fn=adjust)
+    ours, ours_opt = _muon_steps(Muon, shapes, nesterov=nesterov, adjust_lr_fn=adjust, ns_dtype=torch.bfloat16)
+    for a, b in zip(ref, ours):
+        assert torch.equal(a, b)
+    fast, fast_opt = _muon_steps(Muon, shapes, nesterov=nesterov, adjust_lr_fn=adjust)  # CPU: fp32
+    torch.manual_seed(0)
+    start = [torch.randn(*s) for s in shapes]  # as _muon_steps draws them
+    for a, b, p0 in zip(ref, fast, start):
+        assert not torch.equal(a, b)  # it is another dtype
+        moved = (a - p0 * (1 - 0.02 * 0.1) ** 3).norm()  # the updates' part of the change
+        assert (a - b).norm() < 0.05 * moved
+    # the state is torch's: a checkpoint of one loads into the other
+    torch.optim.Muon(fast, lr=0.02).load_state_dict(fast_opt.state_dict())
+
+
+def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_near_one():
+    from vitattn.train import orthogonalize
+    g = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-2, 1, 24))
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    x = orthogonalize(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    s = torch.diagonal(u.T @ x @ vh.T)  # x in g's singular bases
+    assert torch.allclose(u.T @ x @ vh.T, torch.diag(s), atol=1e-4)  # the same singular vectors
+    assert s[:16].min() > 0.5 and s.max() < 1.3  # all but the ~1e-2-scaled directions lifted near 1
+    assert torch.linalg.matrix_norm(g, 2) > 1000 * torch.linalg.matrix_norm(g, -2)  # while g spans 3 decades
+
+
 def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exactly():
     import vitattn
-    from vitattn.train import OptimizerChain, build_optimizer
+    from vitattn.train import Muon, OptimizerChain, build_optimizer
 
     def make():
         torch.manual_seed(0)
@@ -90,7 +133,7 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
         return m, build_optimizer(m, replace(RECIPES["vit"], optimizer="muon", lr=3e-3))
 
     m, opt = make()
-    assert isinstance(opt, OptimizerChain) and isinstance(opt.optimizers[0], torch.optim.Muon)
+    assert isinstance(opt, OptimizerChain) and isinstance(opt.optimizers[0], Muon)
     names = {id(p): n for n, p in m.named_parameters()}
     muon = {names[id(p)] for g in opt.optimizers[0].param_groups for p in g["params"]}
     adamw = [names[id(p)] for g in opt.optimizers[1].param_groups for p in g["params"]]

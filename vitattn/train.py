@@ -112,6 +112,69 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
+def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, run in ``dtype``: pushes the singular values of the
+    2-D ``g`` towards 1 (to roughly 0.5-1.5), keeping its singular vectors (Jordan et al. 2024)."""
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:  # iterate on the wide side: the Gram matrix is the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm: singular values <= 1
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """``torch.optim.Muon``'s per-matrix lr factor; ``'match_rms_adamw'`` gives updates AdamW's RMS."""
+    fan_out, fan_in = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(fan_out / fan_in)
+    return 1.0
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
+
+    torch runs it in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix products,
+    and 15-20x slower than fp32 on CPUs without them, where it took 45% of a training step
+    (docs/training.md). ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with
+    ``torch.bfloat16`` the steps equal torch's bit for bit (tests/test_train.py). Same arguments,
+    state and checkpoints as ``torch.optim.Muon``.
+    """
+
+    def __init__(self, params, *, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                dtype = self.ns_dtype or (torch.bfloat16 if p.is_cuda else torch.float32)
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
 class OptimizerChain:
     """Several optimisers stepped as one, each over its own parameters: what a training loop
     needs of an optimiser (``param_groups``, ``zero_grad``, ``step``, ``state_dict``)."""
@@ -149,7 +212,7 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | OptimizerChain:
-    """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``torch.optim.Muon`` (Nesterov momentum
+    """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
     0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
     and AdamW on the rest."""
     if r.optimizer not in OPTIMIZERS:
@@ -162,8 +225,7 @@ def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | Opti
     matrices = [p for n, p in named if is_muon_param(n, p)]
     if not matrices:
         raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
-    muon = torch.optim.Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95,
-                            adjust_lr_fn="match_rms_adamw")
+    muon = Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
     keep = {id(p) for p in matrices}
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]} for g in param_groups(model, r.weight_decay)]
     return OptimizerChain(muon, torch.optim.AdamW(rest, lr=r.lr, betas=(r.momentum, r.beta2)))
