@@ -68,7 +68,7 @@ RECIPES: dict[str, Recipe] = {
 
 # Per-dataset changes: the long-range task's 20,000 images give too few steps at CIFAR's batch
 # sizes. The CNN solves it in its first of three epochs; the ViT leaves chance after a
-# seed-dependent number of steps, so it gets six (7-8 minutes on a 2-core CPU; docs/context.md).
+# seed-dependent number of steps, so it gets six (docs/context.md).
 # Its labels are exact and a shift can push a mark out of the frame: no shifts, no smoothing for
 # either family. The ViT learns it with AdamW at 1e-3 and not with Muon (docs/context.md).
 DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
@@ -143,8 +143,8 @@ def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
 
-    torch runs it in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix products,
-    and 15-20x slower than fp32 on CPUs without them, where it took 45% of a training step
+    torch runs it in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix products
+    and many times slower than fp32 on CPUs without them, a large share of a CPU training step there
     (docs/training.md). ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with
     ``torch.bfloat16`` the steps equal torch's bit for bit (tests/test_train.py). Same arguments,
     state and checkpoints as ``torch.optim.Muon``.
