@@ -69,9 +69,9 @@ def main() -> None:
             times[n].append(seconds(steps[n], a.iters))
 
     mats = [p for n, p in vitattn.create_model(a.model).named_parameters() if n.startswith("blocks.") and p.ndim == 2]
-    coeffs = (3.4445, -4.7750, 2.0315)
-    ns = {str(dt).removeprefix("torch."): 1e3 * statistics.median(
-        seconds(lambda dt=dt: [orthogonalize(m, coeffs, 5, 1e-7, dt) for m in mats], 2) for _ in range(a.rounds))
+    d = torch.optim.Muon(mats).defaults  # torch's coefficients, steps and eps
+    ns = {str(dt).removeprefix("torch."): 1e3 * statistics.median(seconds(lambda dt=dt: [
+        orthogonalize(m, d["ns_coefficients"], d["ns_steps"], d["eps"], dt) for m in mats], 2) for _ in range(a.rounds))
         for dt in (torch.bfloat16, torch.float32)}
 
     res = dict(model=a.model, batch=a.batch, rounds=a.rounds, iters=a.iters, threads=torch.get_num_threads(),

@@ -116,7 +116,8 @@ def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_near_one
     from vitattn.train import orthogonalize
     g = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-2, 1, 24))
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
-    x = orthogonalize(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    d = torch.optim.Muon([torch.nn.Parameter(g)]).defaults  # torch's coefficients, steps and eps
+    x = orthogonalize(g, d["ns_coefficients"], d["ns_steps"], d["eps"], torch.float32)
     s = torch.diagonal(u.T @ x @ vh.T)  # x in g's singular bases
     assert torch.allclose(u.T @ x @ vh.T, torch.diag(s), atol=1e-4)  # the same singular vectors
     assert s[:16].min() > 0.5 and s.max() < 1.3  # all but the ~1e-2-scaled directions lifted near 1
