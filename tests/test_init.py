@@ -52,6 +52,39 @@ def test_mimetic_vit_starts_with_those_weights_and_trains():
         vitattn.ViTConfig(weight_init="xavier")
 
 
+def test_jax_init_draws_each_tensor_as_timms_jax_mode():
+    """Per tensor: the distribution timm's ``weight_init='jax'`` draws (Xavier-uniform bounds and
+    spread, a zero head, LeCun-normal patches cut at 2 std), checked on the same shapes against
+    timm itself where it is installed."""
+    torch.manual_seed(0)
+    m = vitattn.ViT(img_size=32, patch_size=4, embed_dim=96, depth=2, num_heads=3, mlp_ratio=2.0,
+                    num_classes=4, weight_init="jax")
+    sd = m.state_dict()
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name != "head":
+            fan_out, fan_in = mod.weight.shape
+            bound = (6 / (fan_in + fan_out)) ** 0.5
+            w, b = mod.weight.detach(), mod.bias.detach()
+            assert w.abs().max() <= bound
+            assert float(w.std()) == pytest.approx(bound / 3**0.5, rel=0.05), name
+            assert b.abs().max() < 1e-4 and bool((b != 0).any()) == (".mlp." in name), name
+    assert not sd["head.weight"].any() and not sd["head.bias"].any()
+    w = sd["patch_embed.proj.weight"]
+    std = (1 / w[0].numel()) ** 0.5
+    assert float(w.std()) == pytest.approx(std, rel=0.05) and w.abs().max() <= 2 * std / 0.8796 + 1e-6
+    default = vitattn.ViT(img_size=32, patch_size=4, embed_dim=96, depth=2, num_heads=3, num_classes=4)
+    assert sd["blocks.0.attn.qkv.weight"].std() > 2 * default.blocks[0].attn.qkv.weight.std()
+    timm = pytest.importorskip("timm")
+    t = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=4, embed_dim=96, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=4,
+        weight_init="jax").state_dict()
+    for k, v in sd.items():
+        if v.numel() > 1000:
+            assert float(v.std()) == pytest.approx(float(t[k].std()), rel=0.05), k
+            if k.endswith("weight"):  # bounded draws (uniform, cut normal): their largest values agree too
+                assert float(v.abs().max()) == pytest.approx(float(t[k].abs().max()), rel=0.05), k
+
+
 def test_patch_whitening_decorrelates_training_patches():
     g = torch.Generator().manual_seed(0)
     # correlated images: smooth noise, so neighbouring pixels and channels covary strongly

@@ -5,6 +5,7 @@
   token starts by attending to tokens like itself, and ``W_v^T W_proj^T`` near
   ``alpha2 Z - beta2 I``. Built by a truncated SVD of the target, so each product is the target's
   best rank-``d`` approximation.
+- ``lecun_normal_``: JAX's LeCun-normal draw, the patch projection of ``weight_init='jax'``.
 - ``patch_whitening_weights``: a patch projection whose first rows are the principal directions
   of the training patches scaled to unit variance (airbench's whitening stem, put on the patch
   embedding), so tokens start decorrelated.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
+from torch import nn
 
 
 def _factor(target: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +50,14 @@ def mimetic_attention_weights(dim: int, num_heads: int, *, alpha1: float = 0.7, 
     qs, ks = zip(*(_factor(alpha1 * gaussian() + beta1 * eye, d) for _ in range(num_heads)))
     v, proj_t = _factor(alpha2 * gaussian() - beta2 * eye, dim)  # v^T proj^T = target
     return {"q": torch.cat(qs).float(), "k": torch.cat(ks).float(), "v": v.float(), "proj": proj_t.T.float()}
+
+
+def lecun_normal_(weight: torch.Tensor) -> torch.Tensor:
+    """In place: a normal truncated at two standard deviations, scaled so the variance is
+    ``1 / fan_in`` (JAX's ``lecun_normal``, timm's ``lecun_normal_``)."""
+    fan_in = weight[0].numel()
+    std = (1.0 / fan_in) ** 0.5 / 0.87962566103423978  # the std of a standard normal cut at +-2
+    return nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std)
 
 
 def whitening_basis(patches: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,13 +26,13 @@ from torch import nn
 
 from .block import Block
 from .helpers import feature_take_indices, to_2tuple
-from .init import mimetic_attention_weights, patch_whitening_weights
+from .init import lecun_normal_, mimetic_attention_weights, patch_whitening_weights
 from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
-WEIGHT_INITS = ("", "mimetic")
+WEIGHT_INITS = ("", "jax", "mimetic")
 PATCH_INITS = ("", "whiten")
 
 
@@ -65,7 +65,7 @@ class ViTConfig:
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
-    weight_init: str = ""  # '' (timm's default) or 'mimetic' (attention weights as in a trained ViT)
+    weight_init: str = ""  # '' (timm's default), 'jax' (timm's, as the JAX ViT) or 'mimetic' (attention as if trained)
     patch_init: str = ""  # '' (PyTorch's conv init) or 'whiten' (set from data by ViT.init_stem)
 
     def __post_init__(self) -> None:
@@ -131,19 +131,35 @@ class ViT(nn.Module):
 
     # -- init -------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        """timm's default scheme: truncated normal (std .02) for linear layers and the position
-        table, zero biases, a near-zero class token; the patch projection keeps PyTorch's init.
-        ``weight_init='mimetic'`` then sets every attention layer's q, k, v and proj weights by
+        """timm's schemes. Both: a truncated normal (std .02) position table, a near-zero class
+        token. Default (``''``): truncated normal (std .02) for linear layers, zero biases, the
+        patch projection keeps PyTorch's init. ``'jax'`` (timm's ``init_weights_vit_jax``):
+        Xavier-uniform linear layers (MLP biases ~N(0, 1e-6), others 0), a zero head, a
+        LeCun-normal patch projection (:func:`vitattn.init.lecun_normal_`); its block weights
+        start about 3x larger than the default's. ``'mimetic'``: the default,
+        then every attention layer's q, k, v and proj weights by
         :func:`vitattn.init.mimetic_attention_weights`."""
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-        for m in self.modules():
+        jax = self.config.weight_init == "jax"
+        for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
+                if jax and name == "head":
+                    nn.init.zeros_(m.weight)
+                elif jax:
+                    nn.init.xavier_uniform_(m.weight)
+                else:
+                    nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None and jax and ".mlp." in name:
+                    nn.init.normal_(m.bias, std=1e-6)
+                elif m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if jax:
+            lecun_normal_(self.patch_embed.proj.weight)
+            if self.patch_embed.proj.bias is not None:
+                nn.init.zeros_(self.patch_embed.proj.bias)
         if self.config.weight_init == "mimetic":
             with torch.no_grad():
                 for blk in self.blocks:
