@@ -15,6 +15,14 @@ place carries gives a model whose features are still local (or uniformly mixed) 
 
     python benchmarks/longrange_signal.py --preset vit_cifar_patch4 cnn_cifar --task alignment colour
     python benchmarks/longrange_signal.py --preset vit_cifar_patch4_maxpool --task alignment --background plain
+
+For a ViT the table also gives where its first block starts: the entropy of the attention rows
+(ln 64 = 4.159 is uniform over 8x8 patches), the mean of each row's largest weight (1/64 =
+0.016 if uniform), and the gradient of the q, k and v projections relative to their weights
+(``||grad|| / ||W||`` over the batches' mean gradient):
+
+    python benchmarks/longrange_signal.py --preset vit_cifar_shallow_patch4_gap_sincos --task alignment \
+        --background plain --seed S [--over '{"qk_norm": true}']
 """
 
 from __future__ import annotations
@@ -44,6 +52,20 @@ def coherence(g: torch.Tensor) -> float:
     return float(g.mean(0).norm() * len(g) ** 0.5 / g.pow(2).sum(1).mean().sqrt())
 
 
+def attention_start(vit: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> str:
+    """Table cells for the first block at the current weights: attention entropy, the mean
+    largest weight per row, and ``||grad|| / ||W||`` of its q + k and of its v projection."""
+    with torch.no_grad():
+        a = vit.get_attention_maps(x)[0]  # (B, heads, N, N)
+    entropy = -(a * a.clamp_min(1e-12).log()).sum(-1).mean()
+    vit.zero_grad(set_to_none=True)
+    F.cross_entropy(vit(x), y).backward()
+    w = vit.blocks[0].attn.qkv.weight  # rows: q, k, v
+    d = w.shape[1]
+    rel = [float(w.grad[s].norm() / w.detach()[s].norm()) for s in (slice(0, 2 * d), slice(2 * d, 3 * d))]
+    return f"{entropy:.3f} | {a.amax(-1).mean():.3f} | {rel[0]:.1e} | {rel[1]:.1e}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", nargs="+", default=["vit_cifar_patch4", "cnn_cifar"])
@@ -55,8 +77,9 @@ def main() -> None:
     a = p.parse_args()
     batch = 64
     print(f"background: {a.background}\n")
-    print("| model | task | coherence, true labels | shuffled labels | label part (true - shuffled) |\n"
-          "|---|---|---:|---:|---:|")
+    print("| model | task | coherence, true labels | shuffled labels | label part (true - shuffled) "
+          "| block-0 attention entropy | largest weight | q, k relative gradient | v relative gradient |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for task in a.task:
         data = make_long_range(a.batches * batch, seed=a.seed, attribute=task, background=a.background)
         norm = Normalize(*channel_stats(data["images"]))
@@ -68,8 +91,9 @@ def main() -> None:
             if hasattr(model, "init_stem"):
                 model.init_stem(x[:1000])
             true, noise = gradients(model, x, y, batch), gradients(model, x, shuffled, batch)
+            start = attention_start(model, x, y) if hasattr(model, "get_attention_maps") else " | | | "
             print(f"| {preset} | {task} | {coherence(true):.2f} | {coherence(noise):.2f} | "
-                  f"{coherence(true - noise):.2f} |", flush=True)
+                  f"{coherence(true - noise):.2f} | {start} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -230,3 +230,21 @@ def test_qk_norm_normalises_each_head():
     q, k, _ = attn.project_qkv(torch.randn(2, 5, 8) * 10, None)
     assert torch.allclose(q.mean(-1), torch.zeros(2, 2, 5), atol=1e-5)
     assert torch.allclose(k.var(-1, unbiased=False), torch.ones(2, 2, 5), atol=1e-3)
+
+
+def test_qk_norm_attention_does_not_depend_on_the_scale_of_the_qk_weights():
+    """Why the long-range ViT uses it: without it, small q/k weights (timm's init) give uniform
+    attention whose logits move with the product of two small matrices; with it, scaling the q
+    and k projections leaves the weights unchanged."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    for qk_norm in (False, True):
+        attn = MultiHeadAttention(16, num_heads=2, qkv_bias=True, qk_norm=qk_norm).eval()
+        _, before = attn(x, return_attention=True)
+        with torch.no_grad():
+            attn.qkv.weight[:32] *= 0.1
+            attn.qkv.bias[:32] *= 0.1
+        _, after = attn(x, return_attention=True)
+        assert torch.allclose(before, after, atol=1e-3) == qk_norm  # up to the norm's eps
+        if not qk_norm:  # a hundredth of the logits: close to uniform
+            assert (after - 1 / 6).abs().max() < (before - 1 / 6).abs().max() / 10
