@@ -25,8 +25,8 @@ from vitattn.report import pyplot, save_figure
 
 
 def describe(model: dict, config: dict) -> tuple[str, int]:
-    """``(series, depth)``: 'ViT', 'ViT, qk_norm', 'ViT, no token mixing' (windows of one patch in
-    every block) or 'CNN', and its blocks or stages, from the run's preset and its ``--*-kwargs``."""
+    """``(series, depth)``: 'ViT', 'ViT, no token mixing' (windows of one patch in every block)
+    or 'CNN', and its blocks or stages, from the run's preset and its ``--*-kwargs``."""
     import vitattn
 
     fam = model["family"]
@@ -34,7 +34,7 @@ def describe(model: dict, config: dict) -> tuple[str, int]:
     if fam != "vit":
         return "CNN", len(cfg.widths)
     local = cfg.window_size in (1, (1, 1)) and set(cfg.window_block_indexes) >= set(range(cfg.depth))
-    return ("ViT, no token mixing" if local else "ViT, qk_norm" if cfg.qk_norm else "ViT"), cfg.depth
+    return ("ViT, no token mixing" if local else "ViT"), cfg.depth
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
     for series, d, _, m in rows:
         groups.setdefault((series, d), []).append(m)
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
-    style = {"ViT": "o-", "ViT, qk_norm": "D-", "ViT, no token mixing": "^:", "CNN": "s--"}
+    style = {"ViT": "o-", "ViT, no token mixing": "^:", "CNN": "s--"}
     for (series, d), ms in groups.items():
         acc = torch.tensor([m["accuracy_by_distance"]["accuracy"] for m in ms])
         mean = acc.mean(0)
@@ -76,7 +76,7 @@ def main() -> None:
                       yerr=torch.stack([mean - acc.amin(0), acc.amax(0) - mean]),
                       label=f"{series}, {d} {'stages' if series == 'CNN' else 'blocks'} ({len(ms)} seeds)")
     left.set(xlabel="distance between the marks (px)", ylabel="test accuracy", title="accuracy against distance")
-    for colour, series in zip(("C0", "C3", "C2", "C1"), style):
+    for colour, series in zip(("C0", "C2", "C1"), style):
         pts = sorted((d, m["final_acc"]) for s_, d, _, m in rows if s_ == series)
         if pts:
             right.plot(*zip(*pts), style[series][0], color=colour, alpha=0.5)

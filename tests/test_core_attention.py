@@ -233,9 +233,9 @@ def test_qk_norm_normalises_each_head():
 
 
 def test_qk_norm_attention_does_not_depend_on_the_scale_of_the_qk_weights():
-    """Why the long-range ViT uses it: without it, small q/k weights (timm's init) give uniform
-    attention whose logits move with the product of two small matrices; with it, scaling the q
-    and k projections leaves the weights unchanged."""
+    """Without it, small q/k weights (timm's init) give near-uniform attention whose logits move
+    with the product of two small matrices; with it, scaling the q and k projections leaves the
+    weights unchanged."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 16)
     for qk_norm in (False, True):
