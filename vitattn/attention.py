@@ -23,9 +23,9 @@ additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attent
 
 The *temperature* of the softmax decides how sharp the weights are. ``logit_floor=t`` raises
 each query's scores to a spread (standard deviation over its keys) of at least ``t`` before the
-softmax, leaving rows that already spread that far as they are (:func:`floor_logit_spread`). A
-small random start gives scores of spread ~0.1 and attention uniform to three decimals; the
-floor turns the same scores into weights that pick out the keys that stand apart, and makes the
+softmax, leaving rows that already spread that far as they are (:func:`floor_logit_spread`).
+Small starting q/k weights give scores that barely differ and near-uniform attention; the floor
+turns the same scores into weights that pick out the keys that stand apart, and makes the
 weights independent of the scale of q and k while the spread is under it. It follows Hoffmann
 et al. 2023 ("Eureka-Moments in Transformers", NormSoftmax), who trace slow, abrupt learning of
 two-step tasks to the softmax and normalise its input by its standard deviation.
