@@ -533,6 +533,7 @@ def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: d
         summary["models"][fam]["erf_radius_px"] = [e["radius_px"] for e in c["erf"]]
         if "attention_distance" in c:
             summary["models"][fam]["attention_distance_px"] = c["attention_distance"].tolist()
+            summary["models"][fam]["attention_entropy_nats"] = c["attention_entropy"].tolist()
     figs = []
     if cfg.plots:
         shown = ds.data.test_x[pick][:16].float() / 255

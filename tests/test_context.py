@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from vitattn import CNNConfig, SmallCNN, ViT, ViTConfig
 from vitattn.context import (
+    attention_entropy,
     attention_rollout,
     effective_receptive_field,
     head_attention_maps,
@@ -53,6 +56,39 @@ def test_self_attention_only_is_zero_and_prefix_tokens_are_dropped():
     # Without renormalising, class-token mass counts as distance 0: half the uniform value.
     raw = mean_attention_distance([a], 8, 4, 1, renormalize=False)
     torch.testing.assert_close(raw, torch.tensor([[16.5459 / 2]]), atol=1e-3, rtol=0)
+
+
+def test_attention_entropy_is_log_n_for_uniform_zero_for_one_key_and_drops_prefix_tokens():
+    torch.testing.assert_close(attention_entropy(uniform_maps(), 0), torch.full((2, 3), math.log(64)))
+    eye = torch.eye(1 + 64).expand(2, 4, 65, 65)
+    assert attention_entropy([eye], 1).abs().max() == 0  # all weight on one key; 0 log 0 counts 0
+    # Half on the class token, half uniform over patches: renormalised over patches it is uniform.
+    a = torch.full((1, 1, 65, 65), 0.5 / 64)
+    a[..., 0] = 0.5
+    torch.testing.assert_close(attention_entropy([a], 1), torch.tensor([[math.log(64)]]))
+
+
+def test_attention_entropy_tells_sharp_far_attention_from_uniform_where_distance_cannot():
+    # Each query puts all its weight on the patch mirrored through the grid's centre: as far on
+    # average as uniform attention, yet with zero entropy.
+    n = torch.arange(64)
+    mirror = torch.zeros(1, 1, 64, 64)
+    mirror[0, 0, n, 63 - n] = 1.0
+    assert mean_attention_distance([mirror], 8, 4, 0).item() > 16.55
+    assert attention_entropy([mirror], 0).item() == 0
+
+
+def test_attention_entropy_matches_a_direct_sum_per_layer_and_head():
+    g = torch.Generator().manual_seed(0)
+    maps = [torch.randn(3, 2, 17, 17, generator=g).softmax(-1) for _ in range(2)]
+    got = attention_entropy(maps, 1)
+    want = torch.stack([
+        torch.stack([-(m[:, h, 1:, 1:] / m[:, h, 1:, 1:].sum(-1, keepdim=True)).log().mul(
+            m[:, h, 1:, 1:] / m[:, h, 1:, 1:].sum(-1, keepdim=True)).sum(-1).mean() for h in range(2)])
+        for m in maps])
+    assert got.shape == (2, 2)
+    torch.testing.assert_close(got, want)
+    assert (got > 0).all() and (got < math.log(16)).all()
 
 
 def test_attention_distance_per_head_and_layer_and_rectangular_patches():

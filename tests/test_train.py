@@ -243,6 +243,8 @@ def test_both_models_train_and_every_output_appears(tmp_path, folder):
     assert summary["environment"]["torch"] == torch.__version__ and "git_commit" in summary["environment"]
     mad = torch.tensor(summary["models"]["vit"]["attention_distance_px"])
     assert mad.shape == (6, 4) and (mad > 0).all() and (mad < 32 * math.sqrt(2)).all()
+    ent = torch.tensor(summary["models"]["vit"]["attention_entropy_nats"])
+    assert ent.shape == (6, 4) and (ent >= 0).all() and (ent <= math.log(64) + 1e-4).all()
     assert len(summary["models"]["cnn"]["erf_radius_px"]) == 3
     ck = torch.load(out / "checkpoints" / "vit.pt", weights_only=True)  # no pickled code
     assert ck["state"]["done"] and ck["result"]["final_acc"] == s["models"]["vit"]["final_acc"]
@@ -251,7 +253,7 @@ def test_both_models_train_and_every_output_appears(tmp_path, folder):
     sd = load_file(str(out / "checkpoints" / "cnn.safetensors"))
     torch.testing.assert_close(sd["head.weight"], s["modules"]["cnn"].head.weight)
     report = (out / "report.md").read_text()
-    assert "| ViT |" in report and "| CNN |" in report and "![" in report
+    assert "| ViT |" in report and "| CNN |" in report and "![" in report and "attention entropy (nats)" in report
 
 
 @pytest.mark.parametrize("layout", ["tar", "batches"])
@@ -575,3 +577,18 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
     assert scores(metrics(out)) == scores(metrics(ref["out"]))
     assert json.loads((out / "summary.json").read_text())["models"]["cnn"]["final_acc"] == \
         ref["models"]["cnn"]["final_acc"]
+
+
+def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(tmp_path, folder):
+    s = T.main(tiny(tmp_path, folder, model="vit", vit_preset="vit_cifar_small_patch4", epochs=1, lr=None))
+    script = [sys.executable, str(ROOT / "benchmarks" / "run_context.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    got = subprocess.run([*script, s["out"], "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0, got.stderr
+    vit = json.loads(got.stdout)["vit"]
+    torch.testing.assert_close(torch.tensor(vit["attention_distance"]),
+                               torch.tensor(s["models"]["vit"]["attention_distance_px"]))
+    torch.testing.assert_close(torch.tensor(vit["attention_entropy"]),
+                               torch.tensor(s["models"]["vit"]["attention_entropy_nats"]))
+    bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,6 +11,10 @@ Three measures, all in pixels of the input image so a ViT and a CNN share one ax
   weighted mean distance, with the normalised gradient as the weights, from the unit's centre.
 - ``attention_rollout``: attention flow through the residual stream, head-averaged attention plus
   identity, renormalised and multiplied through the layers (Abnar & Zuidema 2020).
+- ``attention_entropy``: how spread each query's attention is, ``-sum_j A_ij log A_ij`` in nats,
+  ``log N`` for uniform attention over N patches and 0 for attention to one patch. Not in pixels:
+  it tells near-uniform attention from attention that is sharp but lands at every distance, which
+  a mean distance near the uniform value cannot.
 
 Prefix tokens (class / register tokens) have no place on the image, so distances leave them out:
 prefix queries are dropped, prefix keys are dropped and each remaining row is renormalised over
@@ -97,6 +101,23 @@ def mean_attention_distance(maps: torch.Tensor | Sequence[torch.Tensor], grid: i
     for attn in layers:
         a = patch_attention(attn, num_prefix_tokens, renormalize)
         per_query = torch.einsum("bhij,ij->bhi", a, dist)  # (B, heads, N)
+        out.append(per_query.double().mean(dim=(0, 2)))
+    return torch.stack(out).float().cpu()
+
+
+def attention_entropy(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int, *,
+                      renormalize: bool = True) -> torch.Tensor:
+    """Entropy of each patch query's attention over patch keys in nats, ``(layers, heads)``.
+
+    ``-sum_j A_ij log A_ij`` per patch query i, averaged over queries and images; ``log N`` for
+    uniform attention over the N patches, 0 for all weight on one. Prefix tokens as in
+    :func:`mean_attention_distance` (with ``renormalize=False`` rows no longer sum to 1 and the
+    value is no longer an entropy).
+    """
+    out = []
+    for attn in _layers(maps):
+        a = patch_attention(attn, num_prefix_tokens, renormalize)
+        per_query = -torch.special.xlogy(a, a).sum(-1)  # (B, heads, N); 0 log 0 = 0
         out.append(per_query.double().mean(dim=(0, 2)))
     return torch.stack(out).float().cpu()
 

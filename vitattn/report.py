@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context import (
+    attention_entropy,
     attention_rollout,
     effective_receptive_field,
     head_attention_maps,
@@ -43,7 +44,8 @@ def context_metrics(model: nn.Module, images: torch.Tensor, erf_images: int = 32
     """How far each layer looks, in pixels, on normalised images ``(B, C, H, W)``.
 
     Returns ``erf`` (per layer: name, radius, 90% radius, the gradient map) for every model and,
-    for a model with ``get_attention_maps``, ``attention_distance`` ``(layers, heads)``,
+    for a model with ``get_attention_maps``, ``attention_distance`` and ``attention_entropy``
+    (nats) ``(layers, heads)``,
     ``rollout`` ``(4, gh, gw)`` and the class token's per-head maps in the first and last block.
     Prefix tokens are left out of the distances (the module note of :mod:`vitattn.context`).
     """
@@ -54,6 +56,7 @@ def context_metrics(model: nn.Module, images: torch.Tensor, erf_images: int = 32
         maps = attention_maps(model, images)
         p, grid = model.num_prefix_tokens, tuple(model.grid_size)
         out["attention_distance"] = mean_attention_distance(maps, grid, model.patch_embed.patch_size, p)
+        out["attention_entropy"] = attention_entropy(maps, p)
         few = [m[:4] for m in maps]
         out["rollout"] = rollout_map(attention_rollout(few, p), grid, p)
         out["heads_first"] = head_attention_maps(few[0], grid, p)
@@ -233,16 +236,18 @@ def _context_table(context: dict, images: int) -> list[str]:
              f"over patch keys, averaged over queries and {images} test images (the class token left out, each "
              "patch query's weights renormalised over patch keys). Effective receptive field (Luo et al. 2016): "
              f"|d centre unit / d input| over {min(32, images)} test images, reduced to a radius with the same "
-             "formula.", "",
+             "formula. Attention entropy: -sum_j A_ij log A_ij over the same patch keys, in nats (log N for "
+             "uniform attention over N patches, 0 for one patch).", "",
              "| model | layer | ERF radius (px) | ERF 90% radius (px) | attention distance (px), mean [min, max] "
-             "over heads |", "|---|---|---:|---:|---|"]
+             "over heads | attention entropy (nats), mean [min, max] over heads |", "|---|---|---:|---:|---|---|"]
     for fam, c in context.items():
         for i, e in enumerate(c["erf"]):
-            mad = ""
-            if "attention_distance" in c:
-                row = c["attention_distance"][i]
-                mad = f"{row.mean():.2f} [{row.min():.2f}, {row.max():.2f}]"
-            lines.append(f"| {NAMES[fam]} | {e['name']} | {e['radius_px']:.2f} | {e['radius90_px']:.1f} | {mad} |")
+            cells = []
+            for key in ("attention_distance", "attention_entropy"):
+                row = c[key][i] if key in c else None
+                cells.append("" if row is None else f"{row.mean():.2f} [{row.min():.2f}, {row.max():.2f}]")
+            lines.append(f"| {NAMES[fam]} | {e['name']} | {e['radius_px']:.2f} | {e['radius90_px']:.1f} "
+                         f"| {cells[0]} | {cells[1]} |")
     return lines + [""]
 
 

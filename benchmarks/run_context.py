@@ -1,0 +1,76 @@
+"""The global-context measures of a finished ``train_cifar.py`` run, recomputed from its weights.
+
+A run measures its models once, at the end; a measure added later (the attention entropy) is
+taken here for a run that predates it. The test images are the run's own pick (its seed and
+``--context-images``), so the columns the run measured come out as in its report.
+
+    python benchmarks/run_context.py runs/b30_vit          # one row per layer, as markdown
+    python benchmarks/run_context.py runs/b30_vit --json   # the numbers, for summaries
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train_cifar.py at the repository root
+import train_cifar as T  # noqa: E402
+from vitattn import report  # noqa: E402
+from vitattn.data import step_generator  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", type=Path, help="a run folder written by train_cifar.py")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    a = p.parse_args()
+    if not (a.run / "config.json").is_file():
+        sys.exit(f"error: {a.run} has no config.json; expected a run folder written by train_cifar.py")
+    try:
+        cfg = T.Config(**{**json.loads((a.run / "config.json").read_text()), "resume": None})
+        weights = {fam: a.run / "checkpoints" / f"{fam}.safetensors" for fam in cfg.models()}
+        missing = [str(w) for w in weights.values() if not w.is_file()]
+        if missing:
+            raise T.UsageError(f"{a.run}: expected the final weights {', '.join(missing)}; "
+                               "is the run finished?")
+        ds = T.load_dataset(cfg)
+    except (OSError, ValueError, TypeError, T.UsageError, T.DataError) as e:
+        sys.exit(f"error: {e}")
+    from safetensors.torch import load_file
+
+    dev = torch.device("cpu")
+    pick = torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[: cfg.context_images]
+    images = ds.norm(ds.data.test_x[pick])
+    rows = {}
+    for fam, path in weights.items():
+        model = T.build_model(fam, cfg, ds, dev, 1)
+        model.load_state_dict(load_file(str(path)))
+        c = report.context_metrics(model, images)
+        rows[fam] = {"layers": [e["name"] for e in c["erf"]],
+                     "erf_radius_px": [e["radius_px"] for e in c["erf"]],
+                     "erf_radius90_px": [e["radius90_px"] for e in c["erf"]]}
+        for key in ("attention_distance", "attention_entropy"):
+            if key in c:
+                rows[fam][key] = c[key].tolist()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print("| model | layer | ERF radius (px) | ERF 90% radius (px) | attention distance (px), mean [min, max] "
+          "| attention entropy (nats), mean [min, max] |")
+    print("|---|---|---:|---:|---|---|")
+    for fam, r in rows.items():
+        for i, name in enumerate(r["layers"]):
+            cells = []
+            for key in ("attention_distance", "attention_entropy"):
+                v = torch.tensor(r[key][i]) if key in r else None
+                cells.append("" if v is None else f"{v.mean():.2f} [{v.min():.2f}, {v.max():.2f}]")
+            print(f"| {fam} | {name} | {r['erf_radius_px'][i]:.2f} | {r['erf_radius90_px'][i]:.1f} "
+                  f"| {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
