@@ -4,7 +4,7 @@ A run measures its models once, at the end; a measure added later (the attention
 taken here for a run that predates it. The test images are the run's own pick (its seed and
 ``--context-images``), so the columns the run measured come out as in its report.
 
-    python benchmarks/run_context.py runs/b30_vit          # one row per layer, as markdown
+    python benchmarks/run_context.py runs/b30_vit          # the report's section, as markdown
     python benchmarks/run_context.py runs/b30_vit --json   # the numbers, for summaries
 """
 
@@ -45,31 +45,18 @@ def main() -> None:
     dev = torch.device("cpu")
     pick = torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[: cfg.context_images]
     images = ds.norm(ds.data.test_x[pick])
-    rows = {}
+    rows, contexts = {}, {}
     for fam, path in weights.items():
         model = T.build_model(fam, cfg, ds, dev, 1)
         model.load_state_dict(load_file(str(path)))
-        c = report.context_metrics(model, images)
+        c = contexts[fam] = report.context_metrics(model, images)
         rows[fam] = {"layers": [e["name"] for e in c["erf"]],
                      "erf_radius_px": [e["radius_px"] for e in c["erf"]],
                      "erf_radius90_px": [e["radius90_px"] for e in c["erf"]]}
         for key in ("attention_distance", "attention_entropy"):
             if key in c:
                 rows[fam][key] = c[key].tolist()
-    if a.json:
-        print(json.dumps(rows, indent=1))
-        return
-    print("| model | layer | ERF radius (px) | ERF 90% radius (px) | attention distance (px), mean [min, max] "
-          "| attention entropy (nats), mean [min, max] |")
-    print("|---|---|---:|---:|---|---|")
-    for fam, r in rows.items():
-        for i, name in enumerate(r["layers"]):
-            cells = []
-            for key in ("attention_distance", "attention_entropy"):
-                v = torch.tensor(r[key][i]) if key in r else None
-                cells.append("" if v is None else f"{v.mean():.2f} [{v.min():.2f}, {v.max():.2f}]")
-            print(f"| {fam} | {name} | {r['erf_radius_px'][i]:.2f} | {r['erf_radius90_px'][i]:.1f} "
-                  f"| {cells[0]} | {cells[1]} |")
+    print(json.dumps(rows, indent=1) if a.json else "\n".join(report.context_table(contexts, len(images))))
 
 
 if __name__ == "__main__":

@@ -590,5 +590,7 @@ def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(
                                torch.tensor(s["models"]["vit"]["attention_distance_px"]))
     torch.testing.assert_close(torch.tensor(vit["attention_entropy"]),
                                torch.tensor(s["models"]["vit"]["attention_entropy_nats"]))
+    table = subprocess.run([*script, s["out"]], capture_output=True, text=True, env=env, timeout=300)
+    assert table.returncode == 0 and "| ViT | blocks.5 |" in table.stdout and "attention entropy (nats)" in table.stdout
     bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,6 +1,6 @@
 """Global context, measured: how far each layer of a model looks.
 
-Three measures, all in pixels of the input image so a ViT and a CNN share one axis:
+Three measures in pixels of the input image, so a ViT and a CNN share one axis, and one in nats:
 
 - ``mean_attention_distance``: for each layer and head, the attention-weighted distance between a
   query patch and the patches it attends to, ``sum_j A_ij * ||pos_i - pos_j||``, averaged over

@@ -230,7 +230,8 @@ def _results_table(res: dict) -> list[str]:
     return lines
 
 
-def _context_table(context: dict, images: int) -> list[str]:
+def context_table(context: dict, images: int) -> list[str]:
+    """The report's global-context section (markdown lines) for ``context_metrics`` of each family."""
     lines = ["## Global context", "",
              "Mean attention distance (ViT paper, D.7): per patch query, sum_j A_ij ||pos_i - pos_j|| in pixels "
              f"over patch keys, averaged over queries and {images} test images (the class token left out, each "
@@ -278,7 +279,7 @@ def write_report(out: Path, summary: dict, context: dict, figs: list[Figure]) ->
              f"{budget} (evaluation excluded). 'data share' = time making batches (index, augment, "
              "normalise) / training time.", ""]
     if context:
-        lines += _context_table(context, cfg["context_images"])
+        lines += context_table(context, cfg["context_images"])
     lines += _distance_table(summary["models"])
     for name, caption in figs:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
