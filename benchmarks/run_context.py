@@ -4,8 +4,8 @@ A run measures its models once, at the end; a measure added later (the attention
 taken here for a run that predates it. The test images are the run's own pick (its seed and
 ``--context-images``), so the columns the run measured come out as in its report.
 
-    python benchmarks/run_context.py runs/b30_vit          # the report's section, as markdown
-    python benchmarks/run_context.py runs/b30_vit --json   # the numbers, for summaries
+    python benchmarks/run_context.py runs/RUN            # the report's section, as markdown
+    python benchmarks/run_context.py runs/RUN   --json   # the numbers, for summaries
 """
 
 from __future__ import annotations
