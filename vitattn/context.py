@@ -105,18 +105,17 @@ def mean_attention_distance(maps: torch.Tensor | Sequence[torch.Tensor], grid: i
     return torch.stack(out).float().cpu()
 
 
-def attention_entropy(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int, *,
-                      renormalize: bool = True) -> torch.Tensor:
+def attention_entropy(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_tokens: int) -> torch.Tensor:
     """Entropy of each patch query's attention over patch keys in nats, ``(layers, heads)``.
 
     ``-sum_j A_ij log A_ij`` per patch query i, averaged over queries and images; ``log N`` for
-    uniform attention over the N patches, 0 for all weight on one. Prefix tokens as in
-    :func:`mean_attention_distance` (with ``renormalize=False`` rows no longer sum to 1 and the
-    value is no longer an entropy).
+    uniform attention over the N patches, 0 for all weight on one. Prefix tokens are dropped and
+    each row renormalised over the patch keys, as in :func:`mean_attention_distance` (raw rows
+    would not sum to 1, and their value would not be an entropy).
     """
     out = []
     for attn in _layers(maps):
-        a = patch_attention(attn, num_prefix_tokens, renormalize)
+        a = patch_attention(attn, num_prefix_tokens)
         per_query = -torch.special.xlogy(a, a).sum(-1)  # (B, heads, N); 0 log 0 = 0
         out.append(per_query.double().mean(dim=(0, 2)))
     return torch.stack(out).float().cpu()
