@@ -73,10 +73,12 @@ from vitattn.train import (
     flops_per_image,
     get_lr,
     load_checkpoint,
+    model_ema,
     pick_device,
     read_jsonl,
     save_atomic,
     save_safetensors,
+    set_lr,
     setup_distributed,
     write_text_atomic,
 )
@@ -126,6 +128,9 @@ class Config:
     warmup: float | None = option(None, "fraction of the run spent warming up the lr, in [0, 1)")
     label_smoothing: float | None = option(None, "cross-entropy target smoothing, in [0, 1)")
     grad_clip: float | None = option(None, "max gradient norm; 0 = off")
+    bias_lr_scale: float | None = option(None, "lr multiplier for biases and other parameters without weight decay")
+    model_ema_decay: float | None = option(None, "keep and report an exponential moving average of the weights "
+                                           "with this decay, in [0, 1); 0 = off")
     translate: int | None = option(None, "augmentation: max shift in pixels")
     cutout: int | None = option(None, "augmentation: zeroed square side in pixels; 0 = off")
     flip: bool = option(True, "augmentation: random horizontal mirror")
@@ -142,10 +147,10 @@ class Config:
     progress: bool = option(True, "tqdm progress bar")
     plots: bool = option(True, "write PNG plots (matplotlib)")
 
-    POSITIVE = ("epochs", "time_budget", "lr", "batch_size", "eval_batch_size", "context_images",
+    POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
     NON_NEGATIVE = ("weight_decay", "grad_clip", "translate", "cutout", "seed")
-    FRACTION = ("warmup", "label_smoothing")  # in [0, 1)
+    FRACTION = ("warmup", "label_smoothing", "model_ema_decay")  # in [0, 1)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -321,6 +326,7 @@ class Run:
     total_steps: int | None
     budget_s: float | None
     channels_last: bool
+    ema: torch.optim.swa_utils.AveragedModel | None = None  # the averaged weights the run keeps, if any
 
     def progress(self) -> float:
         p = self.st.global_step / self.total_steps if self.total_steps else 0.0
@@ -330,20 +336,24 @@ class Run:
         return self.st.images_seen * world / max(self.st.train_seconds, 1e-9)
 
     def save(self, result: dict | None = None) -> None:
+        ema = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "state": asdict(self.st),
-                     "rng": torch.get_rng_state(), "family": self.family, "result": result or {}}, self.ckpt)
+                     "rng": torch.get_rng_state(), "family": self.family, "result": result or {}, **ema}, self.ckpt)
 
 
 def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
               dev: torch.device, dd: Dist) -> Run:
     r = cfg.recipe(family)
     opt = build_optimizer(model, r)
+    ema = model_ema(model, r.model_ema_decay) if r.model_ema_decay > 0 else None
     st = TrainState()
     if ck is not None:  # read (and checked) by main before anything was written
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         st = TrainState(**ck["state"])
         torch.set_rng_state(ck["rng"])
+        if ema is not None and not st.done:
+            ema.load_state_dict(ck["ema"])
     else:
         torch.manual_seed(cfg.seed + 17 * dd.rank)  # the dropout / drop-path stream
     loader = BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True, drop_last=True,
@@ -355,16 +365,14 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
         net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
-               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last)
+               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, ema)
 
 
 def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module, dev: torch.device, dd: Dist,
                amp) -> tuple[float, int]:
     """One optimiser step on a uint8 batch; returns the loss and the number of correct predictions."""
     r = run.recipe
-    lr = get_lr(run.progress(), r.lr, r.warmup, r.decay)
-    for g in run.opt.param_groups:
-        g["lr"] = lr
+    set_lr(run.opt, get_lr(run.progress(), r.lr, r.warmup, r.decay))
     x = norm(xb.to(dev, non_blocking=True))
     if run.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -383,6 +391,8 @@ def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module, de
     if r.grad_clip > 0:
         nn.utils.clip_grad_norm_(run.model.parameters(), r.grad_clip)
     run.opt.step()
+    if run.ema is not None:
+        run.ema.update_parameters(run.model)
     return value, int((logits.argmax(1) == y).sum())
 
 
@@ -423,9 +433,15 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
     """After an epoch (or the budget): evaluate, write a metrics line, checkpoint."""
     st = run.st
     ended = st.step_in_epoch >= len(run.loader)
+    test = functools.partial(evaluate, norm=norm, x=ds.data.test_x, y=ds.data.test_y, batch_size=cfg.eval_batch_size,
+                             device=dev, dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)
     average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
-    ev = evaluate(run.model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev,
-                  dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)
+    ev = test(run.model)
+    raw = {}
+    if run.ema is not None:  # test_acc is the kept model's, the EMA; the raw weights' is logged beside
+        average_buffers(run.ema.module, dd)
+        raw = {"test_loss_no_ema": ev["loss"], "test_acc_no_ema": ev["acc"]}
+        ev = test(run.ema.module)
     st.best_acc = max(st.best_acc, ev["acc"])
     sums = all_reduce_(torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64), dd)
     line = dict(model=run.family, epoch=round(st.epoch + (1.0 if ended else st.step_in_epoch / len(run.loader)), 4),
@@ -433,7 +449,7 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
                 train_acc=float(sums[1] / max(sums[2], 1)), test_loss=ev["loss"], test_acc=ev["acc"],
                 lr=get_lr(run.progress(), run.recipe.lr, run.recipe.warmup, run.recipe.decay),
                 train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
-                data_share=st.data_seconds / max(st.train_seconds, 1e-9))
+                data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
     if ended:
         st.epoch, st.step_in_epoch = st.epoch + 1, 0
     st.done = run.progress() >= 1.0
@@ -499,6 +515,11 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
            pipeline: dict, wall_s: float) -> dict:
     """The final test (with TTA and, on the long-range task, by distance), saved with the weights."""
     st, model = run.st, run.model
+    raw = {}
+    if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
+        raw["final_acc_no_ema"] = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size,
+                                           device=dev, dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)["acc"]
+        model.load_state_dict(run.ema.module.state_dict())
     final = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev, dd=dd,
                      channels_last=run.channels_last, tta=cfg.tta, bf16=cfg.bf16)
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["model"] == run.family] if dd.main else []
@@ -507,7 +528,8 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
                   steps=st.global_step, final_acc=final["acc"], best_acc=max(st.best_acc, final["acc"]),
                   final_loss=final["loss"], train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
                   data_share=st.data_seconds / max(st.train_seconds, 1e-9), recipe=asdict(run.recipe),
-                  batch_per_rank=run.loader.batch_size, world_size=dd.world, pipeline=pipeline, wall_seconds=wall_s)
+                  batch_per_rank=run.loader.batch_size, world_size=dd.world, pipeline=pipeline, wall_seconds=wall_s,
+                  **raw)
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if ds.test_distance is not None:

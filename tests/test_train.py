@@ -80,6 +80,50 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
 
 
+def test_bias_lr_scale_speeds_up_only_the_parameters_without_decay():
+    import vitattn
+    from vitattn.train import build_optimizer, set_lr
+
+    m = vitattn.create_model("cnn_cifar_small")
+    for name in ("sgd", "adamw"):
+        opt = build_optimizer(m, replace(RECIPES["cnn"], optimizer=name, bias_lr_scale=64.0))
+        set_lr(opt, 0.1)
+        decay, no_decay = opt.param_groups
+        assert decay["lr"] == pytest.approx(0.1) and no_decay["lr"] == pytest.approx(6.4)
+        assert all(p.ndim == 1 for p in no_decay["params"]) and decay["weight_decay"] > 0 == no_decay["weight_decay"]
+    vit = vitattn.create_model("vit_cifar_small_patch4")
+    opt = build_optimizer(vit, replace(RECIPES["vit"], bias_lr_scale=3.0))  # Muon + AdamW
+    set_lr(opt, 0.01)
+    assert sorted(round(g["lr"], 6) for g in opt.param_groups) == [0.01, 0.01, 0.03]
+
+
+def test_model_ema_is_the_closed_form_average_of_weights_and_buffers():
+    from vitattn.train import ema_decay_at, model_ema
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    ema = model_ema(m, 0.9)
+    expect_w, expect_mean = None, None
+    for n in range(6):
+        with torch.no_grad():
+            m[0].weight.normal_()
+        m(torch.randn(5, 3))  # moves the BatchNorm statistics
+        ema.update_parameters(m)
+        if n == 0:  # the first update copies
+            expect_w, expect_mean = m[0].weight.detach().clone(), m[1].running_mean.clone()
+        else:
+            d = ema_decay_at(0.9, n)
+            expect_w = d * expect_w + (1 - d) * m[0].weight.detach()
+            expect_mean = d * expect_mean + (1 - d) * m[1].running_mean
+        torch.testing.assert_close(ema.module[0].weight, expect_w)
+        torch.testing.assert_close(ema.module[1].running_mean, expect_mean)
+    assert ema.module[1].num_batches_tracked == m[1].num_batches_tracked == 6  # integers are copied
+    assert [ema_decay_at(0.9, n) for n in (0, 8, 100)] == [0.1, 0.5, 0.9]  # fast at first, then the decay
+    assert not torch.equal(ema.module[0].weight, m[0].weight)  # an average, not the last weights
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        model_ema(m, 1.0)
+
+
 def _muon_steps(opt_cls, shapes, steps=3, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
@@ -319,17 +363,34 @@ def test_a_run_from_before_the_background_option_resumes_on_its_texture(tmp_path
     assert T.resumed_config(T.Config(resume=str(out))).long_range_background == "texture"
 
 
+def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
+    s = T.main(tiny(tmp_path, folder, epochs=2, model_ema_decay=0.5))
+    r, rows = s["models"]["cnn"], metrics(s["out"])
+    assert r["recipe"]["model_ema_decay"] == 0.5 and 0 <= r["final_acc_no_ema"] <= 1
+    assert all("test_acc_no_ema" in row and "test_loss_no_ema" in row for row in rows)
+    assert rows[-1]["test_acc"] == r["final_acc"]  # the reported figure is the EMA's
+    assert f"(EMA; raw weights {r['final_acc_no_ema']:.4f})" in (Path(s["out"]) / "report.md").read_text()
+    from safetensors.torch import load_file
+
+    ck = torch.load(Path(s["out"]) / "checkpoints" / "cnn.pt", weights_only=True)
+    kept = load_file(str(Path(s["out"]) / "checkpoints" / "cnn.safetensors"))
+    for k, v in ck["ema"].items():  # the saved model is the average, not the last step's weights
+        if k.startswith("module.") and v.is_floating_point():
+            torch.testing.assert_close(kept[k.removeprefix("module.")], v.to(kept[k.removeprefix("module.")].dtype))
+
+
 # -- nothing lost ----------------------------------------------------------------------------
-@pytest.mark.parametrize("family, kw", [("cnn", {}), ("vit", dict(model="vit", optimizer="muon", lr=1e-3))],
-                         ids=["cnn-sgd", "vit-muon"])
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw):
+@pytest.mark.parametrize("family, kw, at", [("cnn", {}, 10), ("vit", dict(model="vit", optimizer="muon", lr=1e-3), 10),
+                                            ("cnn", dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12)],
+                         ids=["cnn-sgd", "vit-muon", "cnn-ema"])
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
     cross_entropy = T.F.cross_entropy
 
-    def interrupt_in_epoch_3(*args, **kw):  # 3 training steps + 1 evaluation batch per epoch
+    def interrupt_in_epoch_3(*args, **kw):  # 3 training steps + 1 evaluation batch per epoch (2 with an EMA)
         calls["n"] += 1
-        if calls["n"] == 10:  # the second step of epoch 3 (0-based epoch 2)
+        if calls["n"] == at:  # the second step of epoch 3 (0-based epoch 2)
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 

@@ -224,6 +224,8 @@ def _results_table(res: dict) -> list[str]:
     for fam, r in res.items():
         tta = (f" (flip-TTA {r['final_acc_tta']:.4f}, 6-view TTA {r['final_acc_tta_shift']:.4f})"
                if "final_acc_tta" in r else "")
+        if "final_acc_no_ema" in r:  # the run kept an EMA of its weights; the raw weights' figure beside it
+            tta += f" (EMA; raw weights {r['final_acc_no_ema']:.4f})"
         lines.append(f"| {NAMES[fam]} | {r['preset']} | {r['params'] / 1e6:.3f} M | {r['flops_per_image'] / 1e6:.1f} "
                      f"| {r['epochs']:.2f} | {r['steps']} | {r['train_seconds'] / 60:.1f} | {r['images_per_s']:.0f} "
                      f"| {100 * r['data_share']:.1f}% | {r['final_acc']:.4f}{tta} | {r['best_acc']:.4f} |")

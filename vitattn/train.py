@@ -52,6 +52,8 @@ class Recipe:
     epochs: float  # passes over the training set when neither epochs nor a time budget is given
     momentum: float = 0.9  # SGD momentum, or AdamW's beta1
     beta2: float = 0.999  # AdamW's beta2
+    bias_lr_scale: float = 1.0  # lr multiplier for the parameters without weight decay (airbench's bias_scaler)
+    model_ema_decay: float = 0.0  # decay of an EMA of the weights that is evaluated and kept (timm's); 0 = off
 
 
 RECIPES: dict[str, Recipe] = {
@@ -100,15 +102,26 @@ def get_lr(progress: float, peak: float, warmup: float, decay: str) -> float:
     raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and kernels; leave biases, norm scales, tokens and position tables alone."""
+def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float = 1.0) -> list[dict]:
+    """Decay matrices and kernels; leave biases, norm scales, tokens and position tables alone.
+
+    Each group carries timm's ``lr_scale``: the loop sets a group's lr to the scheduled lr times it,
+    so ``no_decay_lr_scale`` speeds up the biases alone (airbench trains BatchNorm shifts 64x faster).
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token"))
         (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "lr_scale": no_decay_lr_scale}]
+
+
+def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None:
+    """Set every group's lr to ``lr`` times its ``lr_scale`` (1 when absent)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
 
 
 OPTIMIZERS = ("adamw", "sgd", "muon")
@@ -220,17 +233,46 @@ def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | Opti
     if r.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {r.optimizer!r}")
     if r.optimizer == "sgd":
-        return torch.optim.SGD(param_groups(model, r.weight_decay), lr=r.lr, momentum=r.momentum, nesterov=True)
+        return torch.optim.SGD(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr, momentum=r.momentum,
+                               nesterov=True)
     if r.optimizer == "adamw":
-        return torch.optim.AdamW(param_groups(model, r.weight_decay), lr=r.lr, betas=(r.momentum, r.beta2))
+        return torch.optim.AdamW(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr,
+                                 betas=(r.momentum, r.beta2))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     matrices = [p for n, p in named if is_muon_param(n, p)]
     if not matrices:
         raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
     muon = Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
     keep = {id(p) for p in matrices}
-    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]} for g in param_groups(model, r.weight_decay)]
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]}
+            for g in param_groups(model, r.weight_decay, r.bias_lr_scale)]
     return OptimizerChain(muon, torch.optim.AdamW(rest, lr=r.lr, betas=(r.momentum, r.beta2)))
+
+
+def ema_decay_at(decay: float, n: int) -> float:
+    """The EMA's decay at its ``n``-th update: ``min(decay, (1 + n) / (10 + n))``, so the first
+    updates move fast and the random start does not linger (TensorFlow's ``num_updates`` rule)."""
+    return min(decay, (1 + n) / (10 + n))
+
+
+def model_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
+    """An exponential moving average of ``model``'s weights and buffers (timm's ``--model-ema``).
+
+    ``ema.update_parameters(model)`` after each optimiser step moves every floating tensor
+    towards the model's by ``1 - ema_decay_at(decay, n)`` and copies integer buffers; ``ema.module``
+    is the averaged model, ``ema.state_dict()`` holds it and ``n``.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"the EMA decay must be in (0, 1), got {decay}")
+
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
+        if averaged[0].is_floating_point():  # AveragedModel groups tensors by dtype
+            torch._foreach_lerp_(averaged, current, 1.0 - ema_decay_at(decay, int(n)))
+        else:
+            torch._foreach_copy_(averaged, current)
+
+    return torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
 # ---------------------------------------------------------------------------------------------
