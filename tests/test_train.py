@@ -519,6 +519,8 @@ BAD_OPTIONS = [
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--translate", "-2"], "--translate must be >= 0"),
     (["--cutout", "-1"], "--cutout must be >= 0"),
+    (["--model-ema-decay", "1"], r"--model-ema-decay must be in \[0, 1\)"),
+    (["--bias-lr-scale", "0"], "--bias-lr-scale must be > 0"),
     (["--limit-train", "0"], "--limit-train must be > 0"),
     (["--limit-test", "-5"], "--limit-test must be > 0"),
     (["--long-range-train", "0"], "--long-range-train must be > 0"),
