@@ -515,14 +515,14 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
            pipeline: dict, wall_s: float) -> dict:
     """The final test (with TTA and, on the long-range task, by distance), saved with the weights."""
     st, model = run.st, run.model
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["model"] == run.family] if dd.main else []
     raw = {}
     if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
-        raw["final_acc_no_ema"] = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size,
-                                           device=dev, dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)["acc"]
+        if metrics:  # the last epoch's line already tested these raw weights
+            raw["final_acc_no_ema"] = metrics[-1]["test_acc_no_ema"]
         model.load_state_dict(run.ema.module.state_dict())
     final = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev, dd=dd,
                      channels_last=run.channels_last, tta=cfg.tta, bf16=cfg.bf16)
-    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["model"] == run.family] if dd.main else []
     result = dict(family=run.family, preset=cfg.preset(run.family), params=count_params(model),
                   flops_per_image=model.flops, epochs=metrics[-1]["epoch"] if metrics else st.epoch,
                   steps=st.global_step, final_acc=final["acc"], best_acc=max(st.best_acc, final["acc"]),
