@@ -81,9 +81,9 @@ DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 
 # CIFAR-10: cheap models, which see many epochs in a CPU budget; the ViT's 4x MLP and eight
 # blocks cost 1.4x the FLOPs each and learn more in ten epochs than the 2x MLP and six blocks
-# (docs/training.md). Long-range: both read out
-# by a mean over places, so a label about two places needs a layer that sees both; the ViT has
-# two blocks, as six do not leave chance in three epochs there (docs/context.md).
+# (docs/training.md). Long-range: both read out by a mean over places, so a label about two
+# places needs a layer that sees both; the ViT has two blocks, as six do not leave chance in
+# three epochs there (docs/context.md).
 DEFAULT_PRESETS: dict[str, dict[str, str]] = {
     "cifar10": {"vit": "vit_cifar_small_patch4_mlp4_depth8", "cnn": "cnn_cifar_whiten"},
     "long-range": {"vit": "vit_cifar_shallow_patch4_gap_sincos", "cnn": "cnn_cifar_gap"},
