@@ -369,6 +369,7 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
     assert r["recipe"]["model_ema_decay"] == 0.5 and 0 <= r["final_acc_no_ema"] <= 1
     assert all("test_acc_no_ema" in row and "test_loss_no_ema" in row for row in rows)
     assert rows[-1]["test_acc"] == r["final_acc"]  # the reported figure is the EMA's
+    assert r["final_acc_no_ema"] == rows[-1]["test_acc_no_ema"]  # the raw weights' last evaluation
     assert f"(EMA; raw weights {r['final_acc_no_ema']:.4f})" in (Path(s["out"]) / "report.md").read_text()
     from safetensors.torch import load_file
 
