@@ -42,6 +42,7 @@ from torch import nn
 import vitattn
 from vitattn import report
 from vitattn.data import (
+    PADDING_MODES,
     Augment,
     BatchLoader,
     DataError,
@@ -61,6 +62,7 @@ from vitattn.train import (
     RECIPES,
     CheckpointError,
     Dist,
+    Lookahead,
     OptimizerChain,
     Recipe,
     StopFlag,
@@ -126,13 +128,22 @@ class Config:
     lr: float | None = option(None, "peak learning rate")
     weight_decay: float | None = option(None, "weight decay (not on biases, norms, position tables)")
     warmup: float | None = option(None, "fraction of the run spent warming up the lr, in [0, 1)")
+    warmup_lr: float | None = option(None, "lr at the start of the warmup (default: the recipe's, 0)")
+    min_lr: float | None = option(None, "lr at the end of the decay (default: the recipe's, 0)")
+    momentum: float | None = option(None, "SGD's (Nesterov) momentum, or AdamW's beta1, in [0, 1)")
     label_smoothing: float | None = option(None, "cross-entropy target smoothing, in [0, 1)")
     grad_clip: float | None = option(None, "max gradient norm; 0 = off")
     bias_lr_scale: float | None = option(None, "lr multiplier for biases and other parameters without weight decay")
     model_ema_decay: float | None = option(None, "keep and report an exponential moving average of the weights "
                                            "with this decay, in [0, 1); 0 = off")
+    lookahead_decay: float | None = option(None, "airbench's lookahead: pull the weights back to a slow average "
+                                           "every 5 steps from 30%% of the run on, with this base decay (airbench: "
+                                           "0.95), in [0, 1); 0 = off")
     translate: int | None = option(None, "augmentation: max shift in pixels")
     cutout: int | None = option(None, "augmentation: zeroed square side in pixels; 0 = off")
+    padding_mode: str | None = option(None, "augmentation: what a shift brings in at the border, zeros "
+                                      "('constant') or the mirrored image ('reflect'); default: the recipe's",
+                                      choices=PADDING_MODES)
     flip: bool = option(True, "augmentation: random horizontal mirror")
     seed: int = option(0, "seed for weights, batches and augmentation")
     bf16: bool = option(False, "bfloat16 autocast for forward and backward")
@@ -149,8 +160,8 @@ class Config:
 
     POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
-    NON_NEGATIVE = ("weight_decay", "grad_clip", "translate", "cutout", "seed")
-    FRACTION = ("warmup", "label_smoothing", "model_ema_decay")  # in [0, 1)
+    NON_NEGATIVE = ("weight_decay", "warmup_lr", "min_lr", "grad_clip", "translate", "cutout", "seed")
+    FRACTION = ("warmup", "momentum", "label_smoothing", "model_ema_decay", "lookahead_decay")  # in [0, 1)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -327,6 +338,7 @@ class Run:
     budget_s: float | None
     channels_last: bool
     ema: torch.optim.swa_utils.AveragedModel | None = None  # the averaged weights the run keeps, if any
+    lookahead: Lookahead | None = None  # slow weights the model is pulled back to, if any
 
     def progress(self) -> float:
         p = self.st.global_step / self.total_steps if self.total_steps else 0.0
@@ -337,6 +349,8 @@ class Run:
 
     def save(self, result: dict | None = None) -> None:
         ema = {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        if self.lookahead is not None:
+            ema["lookahead"] = self.lookahead.state_dict()
         save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "state": asdict(self.st),
                      "rng": torch.get_rng_state(), "family": self.family, "result": result or {}, **ema}, self.ckpt)
 
@@ -346,6 +360,7 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
     r = cfg.recipe(family)
     opt = build_optimizer(model, r)
     ema = model_ema(model, r.model_ema_decay) if r.model_ema_decay > 0 else None
+    lookahead = Lookahead(model, r.lookahead_decay) if r.lookahead_decay > 0 else None
     st = TrainState()
     if ck is not None:  # read (and checked) by main before anything was written
         model.load_state_dict(ck["model"])
@@ -354,10 +369,13 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
         torch.set_rng_state(ck["rng"])
         if ema is not None and not st.done:
             ema.load_state_dict(ck["ema"])
+        if lookahead is not None and not st.done:
+            lookahead.load_state_dict(ck["lookahead"])
     else:
         torch.manual_seed(cfg.seed + 17 * dd.rank)  # the dropout / drop-path stream
     loader = BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True, drop_last=True,
-                         augment=Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout),
+                         augment=Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout,
+                                         padding_mode=r.padding_mode),
                          seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
     net = torch.compile(model) if cfg.compile else model
@@ -365,14 +383,15 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
         net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
-               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, ema)
+               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, ema,
+               lookahead)
 
 
 def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module, dev: torch.device, dd: Dist,
                amp) -> tuple[float, int]:
     """One optimiser step on a uint8 batch; returns the loss and the number of correct predictions."""
     r = run.recipe
-    set_lr(run.opt, get_lr(run.progress(), r.lr, r.warmup, r.decay))
+    set_lr(run.opt, get_lr(run.progress(), r.lr, r.warmup, r.decay, r.warmup_lr, r.min_lr))
     x = norm(xb.to(dev, non_blocking=True))
     if run.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -419,6 +438,8 @@ def train_epoch(run: Run, norm: nn.Module, dev: torch.device, dd: Dist, stop: St
         st.images_seen += len(yb)
         st.global_step += 1
         st.step_in_epoch += 1
+        if run.lookahead is not None:
+            run.lookahead.step(st.global_step, run.progress())
         st.loss_sum += loss * len(yb)
         st.correct_sum += correct
         st.count += len(yb)
@@ -433,6 +454,8 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
     """After an epoch (or the budget): evaluate, write a metrics line, checkpoint."""
     st = run.st
     ended = st.step_in_epoch >= len(run.loader)
+    if run.lookahead is not None and (ended or run.progress() >= 1.0):
+        run.lookahead.sync()  # the model tested and kept is the slow average (airbench)
     test = functools.partial(evaluate, norm=norm, x=ds.data.test_x, y=ds.data.test_y, batch_size=cfg.eval_batch_size,
                              device=dev, dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)
     average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
@@ -447,7 +470,8 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
     line = dict(model=run.family, epoch=round(st.epoch + (1.0 if ended else st.step_in_epoch / len(run.loader)), 4),
                 step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
                 train_acc=float(sums[1] / max(sums[2], 1)), test_loss=ev["loss"], test_acc=ev["acc"],
-                lr=get_lr(run.progress(), run.recipe.lr, run.recipe.warmup, run.recipe.decay),
+                lr=get_lr(run.progress(), run.recipe.lr, run.recipe.warmup, run.recipe.decay, run.recipe.warmup_lr,
+                           run.recipe.min_lr),
                 train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
                 data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
     if ended:

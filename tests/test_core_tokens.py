@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vitattn import PatchEmbed, patchify, resample_abs_pos_embed, sincos_1d, sincos_2d, unpatchify
+from vitattn.pos_embed import apply_rope, rope_2d
 
 
 @pytest.mark.parametrize("size,patch", [((32, 32), 4), ((24, 40), (4, 8)), ((6, 9), (3, 1))])
@@ -111,3 +112,28 @@ def test_resample_matches_timm():
     ours = resample_abs_pos_embed(pos, (5, 9), (4, 6), num_prefix_tokens=1)
     theirs = timm_pos.resample_abs_pos_embed(pos, (5, 9), (4, 6), num_prefix_tokens=1)
     assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_rope_scores_depend_on_the_offset_alone():
+    """Rotary codes: the same query and key placed anywhere on the grid score by their offset
+    (rows and columns separately), and the rotation keeps every vector's norm."""
+    gh, gw, d = 5, 6, 16
+    sin, cos = rope_2d(gh, gw, d)
+    assert sin.shape == cos.shape == (gh * gw, d)
+    torch.manual_seed(0)
+    q, k = torch.randn(d), torch.randn(d)
+    qr, kr = apply_rope(q.expand(gh * gw, d), sin, cos), apply_rope(k.expand(gh * gw, d), sin, cos)
+    torch.testing.assert_close(qr.norm(dim=-1), q.norm().expand(gh * gw))
+    scores = qr @ kr.T
+    by_offset: dict[tuple[int, int], list[float]] = {}
+    for i in range(gh * gw):
+        for j in range(gh * gw):
+            by_offset.setdefault((i // gw - j // gw, i % gw - j % gw), []).append(float(scores[i, j]))
+    for offset, vals in by_offset.items():
+        assert max(vals) - min(vals) < 1e-4, offset
+    assert len({round(v[0], 3) for v in by_offset.values()}) > 20  # ... and differs between offsets
+    torch.testing.assert_close(apply_rope(q[None], sin[:1], cos[:1]), q[None])  # place (0, 0): no turn
+    # the first half of the channel pairs turns with the row, the second half with the column
+    assert torch.equal(sin[1, : d // 2], torch.zeros(d // 2)) and torch.equal(sin[gw, d // 2:], torch.zeros(d // 2))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        rope_2d(2, 2, 6)

@@ -60,7 +60,7 @@ def test_forward_features_head_and_pre_logits():
 
 @pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, init_values=0.1), dict(score="general"),
                                 dict(score="additive"), dict(pos_embed="sincos2d", qkv_bias=False),
-                                dict(logit_floor=1.0)])
+                                dict(logit_floor=1.0), dict(use_rot_pos_emb=True)])
 def test_class_token_shortcut_equals_the_readable_path(kw):
     """forward() runs the last block for the class token alone; outputs and every gradient must
     equal forward_head(forward_features(x)), which computes the block for all tokens."""
@@ -74,7 +74,8 @@ def test_class_token_shortcut_equals_the_readable_path(kw):
     for (name, _), a, b in zip([("input", x), *m.named_parameters()], g_fast, g_slow):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     blk, tokens = m.blocks[-1], torch.randn(2, 17, 32)
-    torch.testing.assert_close(blk.forward_first(tokens, 3), blk(tokens)[:, :3], atol=1e-6, rtol=1e-6)
+    rope = m.rope_for((4, 4), tokens)
+    torch.testing.assert_close(blk.forward_first(tokens, 3, rope), blk(tokens, rope=rope)[:, :3], atol=1e-6, rtol=1e-6)
 
 
 def test_class_token_shortcut_saves_the_work_it_claims():
@@ -139,8 +140,39 @@ def test_attention_maps_match_forward():
     assert torch.allclose(maps[0], ((q @ k.transpose(-2, -1)) * blk.attn.scale).softmax(-1), atol=1e-5)
 
 
+def test_rotary_codes_see_relative_places_only():
+    """With rotary codes, a query-key score depends on the two tokens and their offset: the same
+    tokens moved together by whole patches score the same; kept in place with other contents
+    around them, other scores."""
+    m = tiny(pos_embed="none", use_rot_pos_emb=True, class_token=False, global_pool="avg").eval()
+    attn = m.blocks[0].attn
+    torch.manual_seed(1)
+    tokens = torch.randn(1, 16, 32)  # a 4 x 4 grid
+    moved = torch.roll(tokens, shifts=8, dims=1)  # every token two rows down (rows 0-1 -> rows 2-3)
+    rope = m.rope_for((4, 4), tokens)
+
+    def scores(t):
+        q, k, _ = attn.project_qkv(t, None)
+        return attn.scores(*attn.rotate(q, k, rope))
+
+    s, s_moved = scores(tokens), scores(moved)
+    torch.testing.assert_close(s_moved[..., 8:, 8:], s[..., :8, :8], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(s_moved[..., :8, :8], s[..., :8, :8], atol=1e-3)  # not the content alone
+    # every attention path agrees with the explicit one under rotary codes, gradients included
+    m2 = tiny(use_rot_pos_emb=True, window_size=2, window_block_indexes=(0,)).eval()
+    xx = torch.randn(2, 3, 16, 16, requires_grad=True)
+    fast = m2.forward_features(xx)
+    for blk in m2.blocks:
+        blk.attn.fused = False
+    slow = m2.forward_features(xx)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        ViT(**{**TINY, "num_heads": 16, "use_rot_pos_emb": True})
+
+
 def test_dynamic_img_size_and_fixed_encodings_take_any_size():
-    for kw in (dict(dynamic_img_size=True), dict(pos_embed="sincos2d"), dict(pos_embed="sincos1d")):
+    for kw in (dict(dynamic_img_size=True), dict(pos_embed="sincos2d"), dict(pos_embed="sincos1d"),
+               dict(pos_embed="none", use_rot_pos_emb=True)):
         m = tiny(**kw).eval()
         for size in ((16, 16), (8, 24), (32, 20)):
             assert m(torch.randn(1, 3, *size)).shape == (1, 5)
@@ -256,6 +288,16 @@ def test_cnn_airbench_options():
     probe = torch.randn(1, 8, 5, 5)
     torch.testing.assert_close(conv(probe)[:, :8], probe)
     assert conv.weight[8:].abs().sum() > 0  # the channels beyond the identity keep their random init
+    # airbench's fast BatchNorm statistics: one training batch moves every running mean 40% of the way
+    f = SmallCNN(stem_width=8, widths=(8, 16, 16), num_classes=3, bn_momentum=0.4, bn_eps=1e-12)
+    bns = [mod for mod in f.modules() if isinstance(mod, torch.nn.BatchNorm2d)]
+    assert all((b.momentum, b.eps) == (0.4, 1e-12) for b in bns)
+    f.stem[0].register_forward_hook(lambda mod, inp, out: setattr(f, "stem_out", out.detach()))
+    f(x)
+    stem_bn = f.stem[1]
+    torch.testing.assert_close(stem_bn.running_mean, 0.4 * f.stem_out.mean(dim=(0, 2, 3)))
+    with pytest.raises(ValueError, match="bn_momentum must be in"):
+        SmallCNN(bn_momentum=1.5)
 
 
 def test_whitening_filters_decorrelate_patches():

@@ -191,6 +191,24 @@ def test_translate_fills_with_zeros_and_flip_mirrors():
     assert (shifted == 0).any()  # the padding shows as zeros somewhere
 
 
+def test_reflect_padding_shifts_in_the_mirrored_border():
+    """``padding_mode='reflect'``: every output is a crop of the image padded with its own mirror,
+    so no zeros appear, and the same draws give the same shifts as zero padding."""
+    x = torch.randint(1, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    out = D.translate_flip(x, 2, True, gen(), "reflect")
+    assert not (out == 0).any()
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
+    for o, p in zip(out, padded):
+        views = [p[:, i:i + 8, j:j + 8] for i in range(5) for j in range(5)]
+        assert any((o == v).all() or (o == v.flip(2)).all() for v in views)
+    zeros = D.translate_flip(x, 2, True, gen())
+    inner = zeros != 0  # where zero padding kept image pixels, both modes agree
+    assert torch.equal(out[inner], zeros[inner])
+    with pytest.raises(ValueError, match="padding_mode must be one of"):
+        D.translate_flip(x, 2, True, gen(), "edge")
+
+
 def test_cutout_zeroes_at_most_one_square():
     x = torch.full((16, 3, 32, 32), 7, dtype=torch.uint8)
     out = D.cutout(x, 8, torch.Generator().manual_seed(0))

@@ -69,6 +69,19 @@ def test_lr_schedule_warms_up_then_decays_to_zero():
     assert get_lr(0.55, 2.0, 0.1, "cosine") == pytest.approx(1.0)  # half way through the cosine
 
 
+def test_lr_schedule_can_start_and_end_above_zero():
+    """airbench's triangle: 0.2 of the peak at the start, the peak at 23%, 0.07 of it at the end."""
+    for decay in ("cosine", "linear"):
+        lrs = [get_lr(p / 100, 1.0, 0.23, decay, warmup_lr=0.2, min_lr=0.07) for p in range(101)]
+        assert lrs[0] == pytest.approx(0.2) and lrs[23] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.07)
+        assert min(lrs) == pytest.approx(0.07) and max(lrs) == pytest.approx(1.0)
+    assert get_lr(0.115, 1.0, 0.23, "linear", warmup_lr=0.2) == pytest.approx(0.6)  # half way up the ramp
+    assert get_lr(0.615, 1.0, 0.23, "linear", min_lr=0.1) == pytest.approx(0.55)  # half way down
+    cfg = T.Config(momentum=0.85, warmup_lr=0.1, min_lr=0.05)
+    r = cfg.recipe("cnn")
+    assert (r.momentum, r.warmup_lr, r.min_lr) == (0.85, 0.1, 0.05)
+
+
 def test_weight_decay_skips_biases_norms_and_position_tables():
     import vitattn
 
@@ -122,6 +135,37 @@ def test_model_ema_is_the_closed_form_average_of_weights_and_buffers():
     assert not torch.equal(ema.module[0].weight, m[0].weight)  # an average, not the last weights
     with pytest.raises(ValueError, match="in \\(0, 1\\)"):
         model_ema(m, 1.0)
+
+
+def test_lookahead_pulls_weights_and_statistics_back_to_the_slow_average():
+    from vitattn.train import Lookahead
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    la = Lookahead(m, 0.9, every=2, power=1.0, start=0.3)
+    slow_w = slow_mean = None
+    for n in range(1, 9):
+        with torch.no_grad():
+            m[0].weight.normal_()
+        m(torch.randn(5, 3))  # moves the BatchNorm statistics
+        fast_w, fast_mean = m[0].weight.detach().clone(), m[1].running_mean.clone()
+        la.step(n, n / 8)
+        if n < 3 or n % 2:  # before 30% of the run, and between syncs, the weights are left alone
+            assert torch.equal(m[0].weight, fast_w) and (n < 4 or la.slow is not None)
+            continue
+        if slow_w is None:  # the first sync (step 4) only takes a copy
+            slow_w, slow_mean = fast_w, fast_mean
+        else:
+            rho = 0.9**2 * n / 8
+            slow_w, slow_mean = rho * slow_w + (1 - rho) * fast_w, rho * slow_mean + (1 - rho) * fast_mean
+        torch.testing.assert_close(m[0].weight.detach(), slow_w)  # training goes on from the average
+        torch.testing.assert_close(m[1].running_mean, slow_mean)
+    with torch.no_grad():
+        m[0].weight.zero_()
+    la.sync()
+    torch.testing.assert_close(m[0].weight.detach(), slow_w)
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        Lookahead(m, 1.0)
 
 
 def _muon_steps(opt_cls, shapes, steps=3, **kw):
@@ -382,8 +426,10 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
 
 # -- nothing lost ----------------------------------------------------------------------------
 @pytest.mark.parametrize("family, kw, at", [("cnn", {}, 10), ("vit", dict(model="vit", optimizer="muon", lr=1e-3), 10),
-                                            ("cnn", dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12)],
-                         ids=["cnn-sgd", "vit-muon", "cnn-ema"])
+                                            ("cnn", dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12),
+                                            ("cnn", dict(lookahead_decay=0.9, padding_mode="reflect", momentum=0.85,
+                                                         warmup_lr=0.01, min_lr=0.01), 10)],
+                         ids=["cnn-sgd", "vit-muon", "cnn-ema", "cnn-lookahead"])
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
@@ -517,6 +563,8 @@ BAD_OPTIONS = [
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
     (["--label-smoothing", "1.5"], r"--label-smoothing must be in \[0, 1\)"),
     (["--warmup", "1"], r"--warmup must be in \[0, 1\)"),
+    (["--momentum", "1"], r"--momentum must be in \[0, 1\)"),
+    (["--min-lr", "-0.1"], "--min-lr must be >= 0"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--translate", "-2"], "--translate must be >= 0"),
     (["--cutout", "-1"], "--cutout must be >= 0"),

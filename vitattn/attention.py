@@ -51,6 +51,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from .helpers import Size2, to_2tuple
+from .pos_embed import apply_rope
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
@@ -245,6 +246,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         grid: Size2 | None = None,
         num_prefix_tokens: int = 0,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_attention: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``(B, Nq, dim) -> (B, Nq, out_dim)``; with ``return_attention=True`` also the weights
@@ -257,10 +259,14 @@ class MultiHeadAttention(nn.Module):
                 ``torch.nn.MultiheadAttention``).
             grid: the patch grid ``(gh, gw)``; needed for window attention.
             num_prefix_tokens: tokens before the grid (class token) under window attention.
+            rope: rotary angles ``(sin, cos)``, each ``(G, head_dim)``, for the last ``G`` keys
+                (the patch tokens; :func:`vitattn.pos_embed.rope_2d`): see :meth:`rotate`.
         """
         if x.ndim != 3:
             raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
         q, k, v = self.project_qkv(x, context)
+        if rope is not None:
+            q, k = self.rotate(q, k, rope)
         mask = self._merge_masks(attn_mask, key_padding_mask, q.shape, k.shape)
         if self.window_size is not None:
             if grid is None:
@@ -281,6 +287,27 @@ class MultiHeadAttention(nn.Module):
             out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
         out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
         return (out, weights) if return_attention else out
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary position codes on ``q`` and ``k`` ``(B, heads, N, d)``: the last ``G`` keys are
+        the grid's tokens, those before them (class token) keep no position. Queries are the
+        first ``Nq`` tokens of the same sequence (all of them in self-attention, the prefix alone
+        in ``Block.forward_first``)."""
+        sin, cos = rope
+        p = k.shape[2] - sin.shape[0]
+        if p < 0:
+            raise ValueError(f"rope has angles for {sin.shape[0]} tokens, the keys are {k.shape[2]}")
+
+        def turn(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[2] - p  # grid tokens among these
+            if n <= 0:
+                return t
+            grid = apply_rope(t[:, :, p:], sin[:n], cos[:n])
+            return torch.cat([t[:, :, :p], grid], dim=2) if p else grid
+
+        return turn(q), turn(k)
 
     @staticmethod
     def _merge_masks(attn_mask, key_padding_mask, q_shape, k_shape) -> torch.Tensor | None:

@@ -74,6 +74,9 @@ class Block(nn.Module):
         init_values: LayerScale start value; ``None`` for no LayerScale.
         drop_path: stochastic depth rate of this block.
         window_size: window attention (ViTDet) instead of global; ``None`` for global.
+
+    ``forward`` / ``forward_first`` take ``rope``, rotary angles for the patch tokens
+    (:meth:`vitattn.attention.MultiHeadAttention.rotate`), or ``None``.
     """
 
     def __init__(
@@ -112,15 +115,17 @@ class Block(nn.Module):
         grid: Size2 | None = None,
         num_prefix_tokens: int = 0,
         return_attention: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        a = self.attn(self.norm1(x), grid=grid, num_prefix_tokens=num_prefix_tokens,
+        a = self.attn(self.norm1(x), grid=grid, num_prefix_tokens=num_prefix_tokens, rope=rope,
                       return_attention=return_attention)
         a, weights = a if return_attention else (a, None)
         x = x + self.drop_path1(self.ls1(a))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, weights) if return_attention else x
 
-    def forward_first(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def forward_first(self, x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
         """The block's output for the first ``n`` tokens only: ``(B, N, D) -> (B, n, D)``.
 
         Those tokens still attend to all ``N`` (keys and values come from every token), but no
@@ -131,5 +136,5 @@ class Block(nn.Module):
         if self.attn.window_size is not None:
             raise ValueError("forward_first needs global attention; this block uses window attention")
         h = self.norm1(x)
-        x = x[:, :n] + self.drop_path1(self.ls1(self.attn(h[:, :n], context=h)))
+        x = x[:, :n] + self.drop_path1(self.ls1(self.attn(h[:, :n], context=h, rope=rope)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

@@ -43,6 +43,8 @@ class CNNConfig:
     drop_rate: float = 0.0  # dropout before the head
     head_scale: float = 1.0  # logits are multiplied by this (airbench uses 1/9: a tempered head takes a high lr)
     bn_weight: bool = True  # learn BatchNorm's scale; False keeps it at 1 (airbench: only the shift is learned)
+    bn_momentum: float = 0.1  # BatchNorm's running-statistics update, torch's convention (airbench: 0.4)
+    bn_eps: float = 1e-5  # BatchNorm's epsilon (airbench: 1e-12)
     dirac_init: bool = False  # start each conv as an identity on its first in-channels (an implicit residual)
     stem: str = "conv"  # 'conv': conv3x3-BN-GELU; 'whiten': frozen 2x2 patch-whitening conv + GELU (airbench)
     global_pool: str = "max"  # 'max' (airbench) or 'avg': a mean makes the logits a sum over places
@@ -53,6 +55,8 @@ class CNNConfig:
             raise ValueError(f"global_pool must be 'max' or 'avg', got {self.global_pool!r}")
         if self.stem not in ("conv", "whiten"):
             raise ValueError(f"stem must be 'conv' or 'whiten', got {self.stem!r}")
+        if not (0.0 <= self.bn_momentum <= 1.0 and self.bn_eps > 0):
+            raise ValueError(f"bn_momentum must be in [0, 1] and bn_eps > 0, got {self.bn_momentum}, {self.bn_eps}")
         if self.stem == "whiten" and self.stem_width != 8 * self.in_chans:
             raise ValueError(f"a whitening stem has 2 x (in_chans * 2 * 2) = {8 * self.in_chans} channels "
                              f"(each patch direction and its negative), got stem_width={self.stem_width}")
@@ -61,7 +65,8 @@ class CNNConfig:
         return asdict(self)
 
 
-def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dirac_init: bool = False) -> nn.Sequential:
+def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dirac_init: bool = False,
+            bn_momentum: float = 0.1, bn_eps: float = 1e-5) -> nn.Sequential:
     conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
     if dirac_init:
         with torch.no_grad():  # out-channel i starts by copying in-channel i (plus the random rest)
@@ -69,7 +74,7 @@ def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dir
     layers: list[nn.Module] = [conv]
     if pool:
         layers.append(nn.MaxPool2d(2))
-    bn = nn.BatchNorm2d(cout)
+    bn = nn.BatchNorm2d(cout, eps=bn_eps, momentum=bn_momentum)
     bn.weight.requires_grad_(bn_weight)
     layers += [bn, nn.GELU()]
     return nn.Sequential(*layers)
@@ -117,7 +122,7 @@ class SmallCNN(nn.Module):
         self.config = c = config
         self.num_classes = c.num_classes
         self.num_features = c.widths[-1]
-        opts = dict(bn_weight=c.bn_weight, dirac_init=c.dirac_init)
+        opts = dict(bn_weight=c.bn_weight, dirac_init=c.dirac_init, bn_momentum=c.bn_momentum, bn_eps=c.bn_eps)
         if c.stem == "whiten":  # set from data by init_stem; the weights stay fixed, the bias learns
             whiten = nn.Conv2d(c.in_chans, c.stem_width, 2, bias=True)
             whiten.weight.requires_grad_(False)

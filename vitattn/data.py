@@ -3,7 +3,7 @@
     source (cifar-10-batches-py | ImageFolder tree | .tar.gz of a tree)
       -> load_cifar         decode once, cache (N, 3, H, W) uint8 + labels        -> ImageData
       -> BatchLoader        per-epoch permutation, this rank's shard, batches     (B, 3, H, W) uint8
-      -> augment            random translate (zero padding), flip, cutout         (B, 3, H, W) uint8
+      -> augment            random translate (zero or mirror pad), flip, cutout   (B, 3, H, W) uint8
       -> normalize          float, per-channel mean / std                          (B, 3, H, W) float
 
 No per-image PIL work after the first decode: every epoch is tensor indexing. Randomness comes
@@ -251,18 +251,25 @@ def load_cifar(path: str | os.PathLike = "./data", *, download: bool = False, ca
 # ---------------------------------------------------------------------------------------------
 # Whole-batch augmentation and normalisation
 # ---------------------------------------------------------------------------------------------
-def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator) -> torch.Tensor:
+PADDING_MODES = ("constant", "reflect")
+
+
+def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator,
+                   padding_mode: str = "constant") -> torch.Tensor:
     """``(B, C, H, W) -> (B, C, H, W)``: each image shifted by up to ``pad`` pixels each way
-    (zero-filled, i.e. a random crop of the zero-padded image) and, with ``flip``, a random half
-    mirrored left-right. The mirror is folded into the column index, so the whole thing is two
-    gathers over the batch."""
+    (a random crop of the image padded with zeros, or with its own border mirrored for
+    ``padding_mode='reflect'``, as airbench and torchvision's ``RandomCrop`` do) and, with ``flip``,
+    a random half mirrored left-right. The mirror is folded into the column index, so the whole
+    thing is two gathers over the batch."""
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
     b, c, h, w = x.shape
     dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
     dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
     mirrored = (torch.rand(b, generator=gen) < 0.5) if flip else torch.zeros(b, dtype=torch.bool)
     cols = torch.where(mirrored[:, None], torch.arange(w).flip(0), torch.arange(w)) + dx[:, None]  # (B, W)
     rows = torch.arange(h) + dy[:, None]  # (B, H)
-    xp = torch.nn.functional.pad(x, (pad, pad, pad, pad)) if pad > 0 else x
+    xp = torch.nn.functional.pad(x, (pad, pad, pad, pad), mode=padding_mode) if pad > 0 else x
     xp = xp.gather(2, rows[:, None, :, None].expand(b, c, h, w + 2 * pad))
     return xp.gather(3, cols[:, None, None, :].expand(b, c, h, w))
 
@@ -281,13 +288,14 @@ def cutout(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
 
 @dataclass
 class Augment:
-    translate: int = 2  # max shift in pixels (zero padding)
+    translate: int = 2  # max shift in pixels
     flip: bool = True  # random horizontal mirror
     cutout: int = 0  # side of a zeroed square in pixels; 0 = off
+    padding_mode: str = "constant"  # what a shift brings in at the border: zeros or the mirrored image
 
     def __call__(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if self.translate > 0 or self.flip:
-            x = translate_flip(x, self.translate, self.flip, gen)
+            x = translate_flip(x, self.translate, self.flip, gen, self.padding_mode)
         return cutout(x, self.cutout, gen)
 
 

@@ -5,8 +5,13 @@ you" and "you like me" look alike. Adding a position code to each token breaks t
 
 All functions here are pure: they build new tensors and never modify their inputs.
 
+Rotary codes (RoPE) work in the score instead: each query and key is rotated by angles set by
+its place, so ``q_i . k_j`` depends on the offset ``i - j`` alone and attention sees relative
+positions directly.
+
 References: Vaswani et al. 2017 (sinusoidal 1-D); MAE ``util/pos_embed.py`` and SimpleViT
-(Beyer et al. 2022) for 2-D sin-cos; timm ``layers/pos_embed.py`` for resampling.
+(Beyer et al. 2022) for 2-D sin-cos; timm ``layers/pos_embed.py`` for resampling; Su et al.
+2021 (RoFormer) and Heo et al. 2024 (RoPE-Axial for ViTs) for rotary codes.
 """
 
 from __future__ import annotations
@@ -80,3 +85,30 @@ def resample_abs_pos_embed(
     grid = F.interpolate(grid, size=new_grid, mode=mode, antialias=antialias)
     grid = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(dtype)
     return torch.cat([prefix, grid], dim=1)
+
+
+def rope_2d(gh: int, gw: int, dim: int, temperature: float = 100.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Axial 2-D rotary angles for a ``gh x gw`` grid, as ``(sin, cos)``, each ``(gh*gw, dim)``
+    in row-major token order.
+
+    Channels come in pairs ``(2i, 2i+1)`` that share an angle: the first half of the pairs turns
+    with the patch's row, the second half with its column, at frequencies
+    ``temperature ** (-j / (dim / 4))``, ``j = 0 .. dim/4 - 1``.
+    """
+    if dim % 4:
+        raise ValueError(f"rope_2d needs dim divisible by 4, got {dim}")
+    omega = temperature ** (-torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))  # (dim/4,)
+    rows = torch.arange(gh, dtype=torch.float32).repeat_interleave(gw)  # (N,)
+    cols = torch.arange(gw, dtype=torch.float32).repeat(gh)
+    angles = torch.cat([rows[:, None] * omega, cols[:, None] * omega], dim=1)  # (N, dim/2)
+    angles = angles.repeat_interleave(2, dim=1)  # each pair's two channels share its angle
+    return angles.sin(), angles.cos()
+
+
+def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """Rotate each channel pair of ``x (..., N, dim)`` by its angle: ``(a, b) -> (a cos - b sin,
+    a sin + b cos)``. ``sin``, ``cos``: ``(N, dim)`` from :func:`rope_2d`. Norms are kept, and
+    ``apply_rope(q)_i . apply_rope(k)_j`` depends on the positions only through ``i - j``."""
+    pairs = rearrange(x, "... (d two) -> ... d two", two=2)
+    turned = rearrange(torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1), "... d two -> ... (d two)")
+    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)

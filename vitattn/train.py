@@ -47,13 +47,17 @@ class Recipe:
     decay: str  # 'cosine' or 'linear' to 0 after warmup
     label_smoothing: float  # target smoothing for the cross-entropy
     grad_clip: float  # max global gradient norm; 0 = off
-    translate: int  # max random shift in pixels (zero padding)
+    translate: int  # max random shift in pixels
     cutout: int  # side of a zeroed square in pixels; 0 = off
     epochs: float  # passes over the training set when neither epochs nor a time budget is given
     momentum: float = 0.9  # SGD momentum, or AdamW's beta1
     beta2: float = 0.999  # AdamW's beta2
     bias_lr_scale: float = 1.0  # lr multiplier for the parameters without weight decay (airbench's bias_scaler)
     model_ema_decay: float = 0.0  # decay of an EMA of the weights that is evaluated and kept (timm's); 0 = off
+    warmup_lr: float = 0.0  # lr at the start of the warmup (timm's --warmup-lr)
+    min_lr: float = 0.0  # lr at the end of the decay (timm's --min-lr)
+    padding_mode: str = "constant"  # what a shift brings in: zeros or the mirrored border ('reflect')
+    lookahead_decay: float = 0.0  # airbench's lookahead (``Lookahead``; its value 0.95); 0 = off
 
 
 RECIPES: dict[str, Recipe] = {
@@ -90,16 +94,18 @@ DEFAULT_PRESETS: dict[str, dict[str, str]] = {
 }
 
 
-def get_lr(progress: float, peak: float, warmup: float, decay: str) -> float:
-    """Learning rate at ``progress`` in [0, 1] of the run: linear warmup, then cosine / linear to 0."""
+def get_lr(progress: float, peak: float, warmup: float, decay: str, warmup_lr: float = 0.0,
+           min_lr: float = 0.0) -> float:
+    """Learning rate at ``progress`` in [0, 1] of the run: linear warmup from ``warmup_lr`` to
+    ``peak``, then cosine / linear to ``min_lr`` (airbench's triangle is 0.2 -> 1 -> 0.07 of its peak)."""
     progress = min(max(progress, 0.0), 1.0)
     if progress < warmup:
-        return peak * progress / warmup
+        return warmup_lr + (peak - warmup_lr) * progress / warmup
     t = (progress - warmup) / max(1.0 - warmup, 1e-12)
     if decay == "cosine":
-        return peak * 0.5 * (1.0 + math.cos(math.pi * t))
+        return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
     if decay == "linear":
-        return peak * (1.0 - t)
+        return min_lr + (peak - min_lr) * (1.0 - t)
     raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
 
 
@@ -274,6 +280,53 @@ def model_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedM
             torch._foreach_copy_(averaged, current)
 
     return torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+
+
+class Lookahead:
+    """airbench's lookahead: slow weights the fast (optimised) ones are pulled back to.
+
+    From ``start`` of the run on, every ``every`` steps: ``slow <- rho * slow + (1 - rho) * fast``,
+    then ``fast <- slow``, for every floating tensor of the state dict (BatchNorm statistics
+    too), with ``rho = (decay ** every) * progress ** power``, so it barely holds the weights back
+    early and averages strongly at the end (Zhang et al. 2019's Lookahead with a growing step;
+    Jordan 2024). Unlike an EMA that only reads the weights, training continues from the average.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, every: int = 5, power: float = 3.0, start: float = 0.3) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"the lookahead decay must be in (0, 1), got {decay}")
+        self.model, self.decay, self.every, self.power, self.start = model, decay, every, power, start
+        self.slow: dict[str, torch.Tensor] | None = None  # made at the first sync after ``start``
+
+    def _floats(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def step(self, global_step: int, progress: float) -> None:
+        """Call after each optimiser step with the steps taken and the run's progress in [0, 1]."""
+        if progress < self.start or global_step % self.every:
+            return
+        fast = self._floats()
+        if self.slow is None:
+            self.slow = {k: v.detach().clone() for k, v in fast.items()}
+            return
+        rho = self.decay ** self.every * min(progress, 1.0) ** self.power
+        for k, v in fast.items():
+            self.slow[k].lerp_(v, 1.0 - rho)
+            v.copy_(self.slow[k])
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """``fast <- slow`` (airbench does it after every epoch, so the model tested is the average)."""
+        if self.slow is not None:
+            for k, v in self._floats().items():
+                v.copy_(self.slow[k])
+
+    def state_dict(self) -> dict:
+        return {"slow": self.slow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.slow = state["slow"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     image (B, C, H, W)
       -> patch_embed       (B, N, D), grid (gh, gw)
       -> + pos_embed       learned / sincos1d / sincos2d / none
+                           (and / or rotary codes in every attention: use_rot_pos_emb)
       -> cls token         (B, P + N, D), P = num_prefix_tokens (0 or 1)
       -> blocks x depth    (B, P + N, D)
       -> norm              forward_features
@@ -28,7 +29,7 @@ from .block import Block
 from .helpers import feature_take_indices, to_2tuple
 from .init import lecun_normal_, mimetic_attention_weights, patch_whitening_weights
 from .patch_embed import PatchEmbed
-from .pos_embed import resample_abs_pos_embed, sincos_1d, sincos_2d
+from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
@@ -54,6 +55,8 @@ class ViTConfig:
     init_values: float | None = None  # LayerScale start value; None = no LayerScale
     class_token: bool = True  # prepend a learned class token
     pos_embed: str = "learn"  # 'learn', 'sincos1d', 'sincos2d' or 'none'
+    use_rot_pos_emb: bool = False  # 2-D rotary codes on each head's q and k (timm's EVA name): relative places
+    rope_temperature: float = 100.0  # the rotary codes' longest wavelength scale (Heo et al. 2024 use 100)
     dynamic_img_size: bool = False  # accept any image size divisible by the patch
     dynamic_img_pad: bool = False  # pad images up to a multiple of the patch instead of raising
     fc_norm: bool | None = None  # LayerNorm after pooling instead of before; None = timm's rule (avg)
@@ -83,6 +86,9 @@ class ViTConfig:
             raise ValueError(f"unknown weight_init {self.weight_init!r}; expected one of {WEIGHT_INITS}")
         if self.patch_init not in PATCH_INITS:
             raise ValueError(f"unknown patch_init {self.patch_init!r}; expected one of {PATCH_INITS}")
+        if self.use_rot_pos_emb and (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(f"rotary codes turn channel pairs by row and by column: the head width "
+                             f"{self.embed_dim // self.num_heads} must be divisible by 4")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +200,17 @@ class ViT(nn.Module):
             self._fixed_pos[key] = table[None].to(device=device, dtype=dtype)
         return self._fixed_pos[key]
 
+    def rope_for(self, grid: tuple[int, int], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary angles ``(sin, cos)``, each ``(gh*gw, head_dim)``, for a patch grid; ``None``
+        without rotary codes. Built for any grid, so they follow the image size."""
+        if not self.config.use_rot_pos_emb:
+            return None
+        key = ("rope", tuple(grid), x.device, x.dtype)
+        if key not in self._fixed_pos:
+            sin, cos = rope_2d(grid[0], grid[1], self.embed_dim // self.config.num_heads, self.config.rope_temperature)
+            self._fixed_pos[key] = (sin.to(x.device, x.dtype), cos.to(x.device, x.dtype))
+        return self._fixed_pos[key]
+
     def pos_embed_for(self, grid: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
         """Position codes ``(1, P + N, D)`` for a patch grid, resampled / built as needed."""
         kind = self.config.pos_embed
@@ -225,8 +242,9 @@ class ViT(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, P + N, D)``, after the final norm."""
         x, grid = self.embed(x)
+        rope = self.rope_for(grid, x)
         for blk in self.blocks:
-            x = blk(x, grid, self.num_prefix_tokens)
+            x = blk(x, grid, self.num_prefix_tokens, rope=rope)
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,9 +277,10 @@ class ViT(nn.Module):
         if self.global_pool != "token" or self.blocks[-1].attn.window_size is not None:
             return self.forward_head(self.forward_features(x))
         x, grid = self.embed(x)
+        rope = self.rope_for(grid, x)
         for blk in self.blocks[:-1]:
-            x = blk(x, grid, self.num_prefix_tokens)
-        return self.forward_head(self.norm(self.blocks[-1].forward_first(x, self.num_prefix_tokens)))
+            x = blk(x, grid, self.num_prefix_tokens, rope=rope)
+        return self.forward_head(self.norm(self.blocks[-1].forward_first(x, self.num_prefix_tokens, rope)))
 
     def forward_intermediates(
         self,
@@ -284,10 +303,11 @@ class ViT(nn.Module):
         take = feature_take_indices(len(self.blocks), indices)
         p = self.num_prefix_tokens
         x, grid = self.embed(x)
+        rope = self.rope_for(grid, x)
         out = []
         last = max(take)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, grid, p)
+            x = blk(x, grid, p, rope=rope)
             if i in take:
                 y = self.norm(x) if norm else x
                 prefix, y = y[:, :p], y[:, p:]
@@ -308,9 +328,10 @@ class ViT(nn.Module):
         as ``forward``'s.
         """
         x, grid = self.embed(x)
+        rope = self.rope_for(grid, x)
         maps = []
         for blk in self.blocks:
-            x, w = blk(x, grid, self.num_prefix_tokens, return_attention=True)
+            x, w = blk(x, grid, self.num_prefix_tokens, return_attention=True, rope=rope)
             maps.append(w)
         return maps
 
