@@ -56,9 +56,15 @@ def _full_last_block(model: nn.Module) -> None:
     model.forward = lambda x: model.forward_head(model.forward_features(x))
 
 
+def _rotary_codes(model: nn.Module) -> None:
+    # not a speed choice but an option's cost: 2-D rotary codes on q and k (read at each forward)
+    model.config.use_rot_pos_emb = True
+
+
 VARIANTS: dict[str, Callable[[nn.Module], None]] = {
     "vitattn[explicit]": _explicit_attention,
     "vitattn[full last block]": _full_last_block,
+    "vitattn[rotary codes]": _rotary_codes,
 }
 
 

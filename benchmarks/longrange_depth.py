@@ -6,8 +6,8 @@ Each run is ``train_cifar.py --dataset long-range`` with one model at some depth
 of each layer, the ViT's attention distance per block) and a figure: accuracy against mark
 distance per model (mean over seeds, their range as bars) and final accuracy against depth per
 family. A ViT whose windows are one patch in every block is its own series, the control for
-attention; the dash-dot line at 3/4 is what a mean read-out of features that never see both
-marks can reach on the alignment task (docs/context.md).
+attention, and so is a ViT with rotary position codes; the dash-dot line at 3/4 is what a mean
+read-out of features that never see both marks can reach on the alignment task (docs/context.md).
 
     python benchmarks/longrange_depth.py runs/depth_*/summary.json --out docs/img --name longrange_depth
 """
@@ -25,8 +25,9 @@ from vitattn.report import pyplot, save_figure
 
 
 def describe(model: dict, config: dict) -> tuple[str, int]:
-    """``(series, depth)``: 'ViT', 'ViT, no token mixing' (windows of one patch in every block)
-    or 'CNN', and its blocks or stages, from the run's preset and its ``--*-kwargs``."""
+    """``(series, depth)``: 'ViT', 'ViT, rotary codes', 'ViT, no token mixing' (windows of one
+    patch in every block) or 'CNN', and its blocks or stages, from the run's preset and its
+    ``--*-kwargs``."""
     import vitattn
 
     fam = model["family"]
@@ -34,7 +35,9 @@ def describe(model: dict, config: dict) -> tuple[str, int]:
     if fam != "vit":
         return "CNN", len(cfg.widths)
     local = cfg.window_size in (1, (1, 1)) and set(cfg.window_block_indexes) >= set(range(cfg.depth))
-    return ("ViT, no token mixing" if local else "ViT"), cfg.depth
+    if local:
+        return "ViT, no token mixing", cfg.depth
+    return ("ViT, rotary codes" if getattr(cfg, "use_rot_pos_emb", False) else "ViT"), cfg.depth
 
 
 def main() -> None:
@@ -68,15 +71,17 @@ def main() -> None:
     for series, d, _, m in rows:
         groups.setdefault((series, d), []).append(m)
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
-    style = {"ViT": "o-", "ViT, no token mixing": "^:", "CNN": "s--"}
-    for (series, d), ms in groups.items():
+    style = {"ViT": "o-", "ViT, rotary codes": "D-", "ViT, no token mixing": "^:", "CNN": "s--"}
+    palette = pyplot().get_cmap("tab20").colors  # more models than tab10 has colours
+    for i, ((series, d), ms) in enumerate(groups.items()):
         acc = torch.tensor([m["accuracy_by_distance"]["accuracy"] for m in ms])
         mean = acc.mean(0)
         left.errorbar(ms[0]["accuracy_by_distance"]["centres"], mean, fmt=style[series], capsize=3,
+                      color=palette[(2 * i) % 20 + (2 * i) // 20 % 2],
                       yerr=torch.stack([mean - acc.amin(0), acc.amax(0) - mean]),
                       label=f"{series}, {d} {'stages' if series == 'CNN' else 'blocks'} ({len(ms)} seeds)")
     left.set(xlabel="distance between the marks (px)", ylabel="test accuracy", title="accuracy against distance")
-    for colour, series in zip(("C0", "C2", "C1"), style):
+    for colour, series in zip(("C0", "C3", "C2", "C1"), style):
         pts = sorted((d, m["final_acc"]) for s_, d, _, m in rows if s_ == series)
         if pts:
             right.plot(*zip(*pts), style[series][0], color=colour, alpha=0.5)

@@ -44,6 +44,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                                                         mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
                                             "vitattn: vit_cifar_patch4_gap_sincos with two blocks, ~0.6M params: the "
                                             "long-range default (six blocks stayed near chance for three epochs)"),
+    "vit_cifar_shallow_patch4_rope_gap_sincos": (
+        "vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=10,
+                    use_rot_pos_emb=True, **_GAP_SINCOS),
+        "vitattn: vit_cifar_shallow_patch4_gap_sincos with 2-D rotary codes on q and k beside the sin-cos table, "
+        "the same weights: the long-range default (it leaves chance on the seeds the table alone does not)"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                            mlp_ratio=2.0, num_classes=10),
                                "vitattn: vit_cifar_patch4 at width 128, ~0.8M params: more epochs per CPU minute"),

@@ -87,10 +87,11 @@ DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 # blocks cost 1.4x the FLOPs each and learn more in ten epochs than the 2x MLP and six blocks
 # (docs/training.md). Long-range: both read out by a mean over places, so a label about two
 # places needs a layer that sees both; the ViT has two blocks, as six do not leave chance in
-# three epochs there (docs/context.md).
+# three epochs there, and rotary codes beside its sin-cos table, without which some seeds stay
+# at chance (docs/context.md).
 DEFAULT_PRESETS: dict[str, dict[str, str]] = {
     "cifar10": {"vit": "vit_cifar_small_patch4_mlp4_depth8", "cnn": "cnn_cifar_whiten"},
-    "long-range": {"vit": "vit_cifar_shallow_patch4_gap_sincos", "cnn": "cnn_cifar_gap"},
+    "long-range": {"vit": "vit_cifar_shallow_patch4_rope_gap_sincos", "cnn": "cnn_cifar_gap"},
 }
 
 
