@@ -120,7 +120,7 @@ class ViT(nn.Module):
             self.pos_embed = nn.Parameter(torch.zeros(1, n, c.embed_dim))
         else:
             self.pos_embed = None
-        self._fixed_pos: dict[tuple, torch.Tensor] = {}  # sincos tables per (grid, device, dtype)
+        self._fixed_pos: dict[tuple, Any] = {}  # sincos tables and rotary angles per (grid, device, dtype)
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth, linear rule
         self.blocks = nn.ModuleList(
