@@ -22,7 +22,6 @@ Touvron et al. 2021 (DeiT) for the ViT recipe.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -56,6 +55,7 @@ from vitattn.data import (
 from vitattn.helpers import to_2tuple
 from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, CLASSES, DISTANCE_EDGES, accuracy_by_distance, make_long_range
 from vitattn.train import (
+    AMP_DTYPES,
     DATASET_RECIPES,
     DEFAULT_PRESETS,
     OPTIMIZERS,
@@ -67,6 +67,7 @@ from vitattn.train import (
     Recipe,
     StopFlag,
     all_reduce_,
+    autocast,
     average_buffers,
     build_optimizer,
     count_params,
@@ -78,9 +79,11 @@ from vitattn.train import (
     model_ema,
     pick_device,
     read_jsonl,
+    rng_states,
     save_atomic,
     save_safetensors,
     set_lr,
+    set_rng_states,
     setup_distributed,
     write_text_atomic,
 )
@@ -124,7 +127,8 @@ class Config:
     time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
     optimizer: str | None = option(None, "'adamw', 'sgd' or 'muon' (Muon on the ViT blocks' matrices, AdamW on "
                                    "the rest); default: the recipe's", choices=OPTIMIZERS)
-    batch_size: int | None = option(None, "images per step over all ranks (default: the recipe's)")
+    batch_size: int | None = option(None, "images per step, global: split evenly over the processes of a torchrun "
+                                    "(default: the recipe's)")
     lr: float | None = option(None, "peak learning rate")
     weight_decay: float | None = option(None, "weight decay (not on biases, norms, position tables)")
     warmup: float | None = option(None, "fraction of the run spent warming up the lr, in [0, 1)")
@@ -146,8 +150,11 @@ class Config:
                                       choices=PADDING_MODES)
     flip: bool = option(True, "augmentation: random horizontal mirror")
     seed: int = option(0, "seed for weights, batches and augmentation")
-    bf16: bool = option(False, "bfloat16 autocast for forward and backward")
-    compile: bool = option(False, "torch.compile the model")
+    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
+    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
+                            choices=tuple(AMP_DTYPES))
+    bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
+    compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
     device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
     channels_last: bool = option(True, "NHWC memory layout for the CNN")
     tta: bool = option(True, "also report final accuracy over mirrored and shifted views")
@@ -177,6 +184,10 @@ class Config:
             if bad:
                 want = "> 0" if f.name in self.POSITIVE else ">= 0" if f.name in self.NON_NEGATIVE else "in [0, 1)"
                 raise UsageError(f"{flag} must be {want}, got {v!r}")
+        if self.bf16:
+            if self.amp and self.amp_dtype != "bfloat16":
+                raise UsageError(f"--bf16 means --amp --amp-dtype bfloat16, got --amp-dtype {self.amp_dtype} with it")
+            self.amp, self.amp_dtype = True, "bfloat16"
         if self.seed >= 2**32:
             raise UsageError(f"--seed must be below 2**32, got {self.seed}")
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
@@ -210,6 +221,10 @@ class Config:
             raise UsageError(f"{flag}: {e}") from None
         return kwargs
 
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast precision, or None for fp32."""
+        return AMP_DTYPES[self.amp_dtype] if self.amp else None
+
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]
 
@@ -236,7 +251,9 @@ class Dataset:
     test_distance: torch.Tensor | None = None  # long-range: pixels between the marks, per test image
 
 
-def load_dataset(cfg: Config) -> Dataset:
+def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
+    """The images as uint8 tensors, on ``dev`` when it is an accelerator: batches are then indexed,
+    augmented and normalised there, and the host does no per-image work (airbench)."""
     distance = None
     if cfg.dataset == "long-range":
         task = cfg.long_range_task
@@ -254,7 +271,10 @@ def load_dataset(cfg: Config) -> Dataset:
     if cfg.limit_test:
         data.test_x, data.test_y = data.test_x[: cfg.limit_test], data.test_y[: cfg.limit_test]
         distance = None if distance is None else distance[: cfg.limit_test]
-    return Dataset(data, Normalize(*channel_stats(data.train_x)), distance)
+    norm = Normalize(*channel_stats(data.train_x))
+    if dev is None or dev.type == "cpu":
+        return Dataset(data, norm, distance)
+    return Dataset(data.to(dev), norm.to(dev), distance)
 
 
 # =============================================================================================
@@ -281,12 +301,15 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
         model.flops = flops_per_image(model, size)
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"{preset} cannot take {size[0]}x{size[1]} images: {e}") from e
-    per_rank = cfg.recipe(family).batch_size // world
-    if per_rank < 1 or len(data.train_x) // world < per_rank:
-        raise UsageError(f"{family}: a batch of {cfg.recipe(family).batch_size} over {world} process(es) needs "
-                         f"at least that many training images, got {len(data.train_x)}; lower --batch-size")
+    batch = cfg.recipe(family).batch_size
+    if batch % world:
+        raise UsageError(f"{family}: --batch-size is the global batch and must split evenly over the {world} "
+                         f"processes, got {batch}; use a multiple of {world}")
+    if len(data.train_x) // world < batch // world:
+        raise UsageError(f"{family}: a batch of {batch} over {world} process(es) needs at least that many training "
+                         f"images, got {len(data.train_x)}; lower --batch-size")
     if hasattr(model, "init_stem"):  # data-dependent stems (whitening) are set from 5,000 training images
-        model.init_stem(ds.norm.to(dev)(data.train_x[:5000].to(dev)))
+        model.init_stem(ds.norm(data.train_x[:5000]))
     if family == "cnn" and cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
@@ -328,7 +351,7 @@ class Run:
 
     family: str
     model: nn.Module
-    net: nn.Module  # the model as stepped: compiled and / or wrapped in DDP
+    net: nn.Module  # the model as stepped: wrapped in DDP and / or compiled
     opt: torch.optim.Optimizer | OptimizerChain
     recipe: Recipe
     loader: BatchLoader
@@ -337,6 +360,10 @@ class Run:
     total_steps: int | None
     budget_s: float | None
     channels_last: bool
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast precision; None = fp32
+    scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
+    running: torch.Tensor  # (loss sum, correct) of the steps since the loop last read them, on the device
     ema: torch.optim.swa_utils.AveragedModel | None = None  # the averaged weights the run keeps, if any
     lookahead: Lookahead | None = None  # slow weights the model is pulled back to, if any
 
@@ -348,11 +375,14 @@ class Run:
         return self.st.images_seen * world / max(self.st.train_seconds, 1e-9)
 
     def save(self, result: dict | None = None) -> None:
-        ema = {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         if self.lookahead is not None:
-            ema["lookahead"] = self.lookahead.state_dict()
+            extra["lookahead"] = self.lookahead.state_dict()
+        if self.scaler.is_enabled():
+            extra["scaler"] = self.scaler.state_dict()
         save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "state": asdict(self.st),
-                     "rng": torch.get_rng_state(), "family": self.family, "result": result or {}, **ema}, self.ckpt)
+                     "rng": rng_states(self.device), "family": self.family, "result": result or {}, **extra},
+                    self.ckpt)
 
 
 def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
@@ -361,16 +391,20 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
     opt = build_optimizer(model, r)
     ema = model_ema(model, r.model_ema_decay) if r.model_ema_decay > 0 else None
     lookahead = Lookahead(model, r.lookahead_decay) if r.lookahead_decay > 0 else None
+    amp_dtype = cfg.autocast_dtype()
+    scaler = torch.amp.GradScaler(dev.type, enabled=amp_dtype == torch.float16)
     st = TrainState()
-    if ck is not None:  # read (and checked) by main before anything was written
+    if ck is not None:  # read on the CPU (and checked) by main before anything was written
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         st = TrainState(**ck["state"])
-        torch.set_rng_state(ck["rng"])
+        set_rng_states(ck["rng"] if isinstance(ck["rng"], dict) else {"cpu": ck["rng"]}, dev)
         if ema is not None and not st.done:
             ema.load_state_dict(ck["ema"])
         if lookahead is not None and not st.done:
             lookahead.load_state_dict(ck["lookahead"])
+        if scaler.is_enabled() and "scaler" in ck:
+            scaler.load_state_dict(ck["scaler"])
     else:
         torch.manual_seed(cfg.seed + 17 * dd.rank)  # the dropout / drop-path stream
     loader = BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True, drop_last=True,
@@ -378,75 +412,114 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
                                          padding_mode=r.padding_mode),
                          seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
-    net = torch.compile(model) if cfg.compile else model
+    net = model
     if dd.world > 1:
         net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if cfg.compile:  # compiling the DDP module lets DDP's optimiser split graphs at its buckets
+        net = torch.compile(net)
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
-               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, ema,
-               lookahead)
+               cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, dev,
+               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema, lookahead)
 
 
-def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module, dev: torch.device, dd: Dist,
-               amp) -> tuple[float, int]:
-    """One optimiser step on a uint8 batch; returns the loss and the number of correct predictions."""
+# Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
+# torchrun's ranks agree on the clock, Ctrl-C and a NaN there, so they stop at the same step.
+READ_EVERY = 50
+
+
+def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module) -> None:
+    """One optimiser step on a uint8 batch on the device; its loss and hits are added to
+    ``run.running`` on the device, so nothing here waits for a GPU."""
     r = run.recipe
     set_lr(run.opt, get_lr(run.progress(), r.lr, r.warmup, r.decay, r.warmup_lr, r.min_lr))
-    x = norm(xb.to(dev, non_blocking=True))
+    x = norm(xb)
     if run.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    y = yb.to(dev, non_blocking=True)
-    with amp:
+    with autocast(x.device, run.amp_dtype):
         logits = run.net(x)
-        loss = F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing)
-    value = loss.item()
-    bad = all_reduce_(torch.tensor([float(not math.isfinite(value))]), dd, dist.ReduceOp.MAX)
-    if bad[0] > 0:  # a NaN on any rank poisons the averaged gradients of all
-        raise NonFiniteLoss(f"[{run.family}] loss is {value} at epoch {run.st.epoch} step {run.st.step_in_epoch}; "
-                            f"stopping. The last good checkpoint is kept at "
-                            f"{run.ckpt if run.ckpt.exists() else '(none yet)'}. Lower --lr or set --grad-clip.")
+        loss = F.cross_entropy(logits.float(), yb, label_smoothing=r.label_smoothing)
     run.opt.zero_grad(set_to_none=True)
-    loss.backward()
+    run.scaler.scale(loss).backward()
     if r.grad_clip > 0:
+        run.scaler.unscale_(run.opt)  # clip the true gradients, not fp16's scaled ones
         nn.utils.clip_grad_norm_(run.model.parameters(), r.grad_clip)
-    run.opt.step()
+    run.scaler.step(run.opt)
+    run.scaler.update()
     if run.ema is not None:
         run.ema.update_parameters(run.model)
-    return value, int((logits.argmax(1) == y).sum())
+    # float64 sums of float32 losses are exact, so they do not depend on when they are read
+    run.running += torch.stack([loss.detach().double() * len(yb), (logits.argmax(1) == yb).sum().double()])
 
 
-def train_epoch(run: Run, norm: nn.Module, dev: torch.device, dd: Dist, stop: StopFlag, amp, bar) -> None:
-    """Steps until the epoch or the budget ends; raises Interrupted at a step boundary on Ctrl-C."""
+def read_running(run: Run, bar) -> None:
+    """Move the device's running sums into the train state (waits for a GPU)."""
+    loss, correct = run.running.tolist()
+    run.running.zero_()
+    st = run.st
+    st.loss_sum += loss
+    st.correct_sum += int(correct)
+    if bar is not None:
+        bar.set_postfix(loss=f"{st.loss_sum / max(st.count, 1):.3f}", acc=f"{st.correct_sum / max(st.count, 1):.3f}",
+                        img_s=f"{run.images_per_s(1):.0f}")
+
+
+def check_stop(run: Run, dd: Dist, stop: StopFlag, pending_s: float) -> None:
+    """Add ``pending_s`` of step time to the run's clock, then raise NonFiniteLoss or Interrupted
+    when the loss read so far is not finite or Ctrl-C came. A torchrun's ranks agree first (the
+    slowest clock, any NaN, any Ctrl-C), so their clocks, lr schedules and stops stay equal."""
+    st = run.st
+    seconds, nonfinite, stopping = st.train_seconds + pending_s, not math.isfinite(st.loss_sum), stop.set
+    if dd.world > 1:
+        flags = torch.tensor([seconds, nonfinite, stopping], dtype=torch.float64, device=run.device)
+        seconds, nonfinite, stopping = all_reduce_(flags, dd, dist.ReduceOp.MAX).tolist()
+    st.train_seconds = seconds
+    if nonfinite:  # a NaN on any rank poisons the averaged gradients of all
+        raise NonFiniteLoss(f"[{run.family}] loss is {st.loss_sum / max(st.count, 1)} by epoch {st.epoch} step "
+                            f"{st.step_in_epoch}; stopping. The last good checkpoint is kept at "
+                            f"{run.ckpt if run.ckpt.exists() else '(none yet)'}. Lower --lr or set --grad-clip.")
+    if stopping:  # before the forward pass, which would move BatchNorm statistics
+        raise Interrupted
+
+
+def train_epoch(run: Run, norm: nn.Module, dd: Dist, stop: StopFlag, bar) -> None:
+    """Steps until the epoch or the budget ends; raises Interrupted at a step boundary on Ctrl-C.
+    A single process checks Ctrl-C and the budget at every step (host values only); a torchrun's
+    ranks every ``READ_EVERY`` steps, and their clocks move only then."""
     st = run.st
     if st.step_in_epoch == 0:
         st.loss_sum, st.correct_sum, st.count = 0.0, 0, 0
     batches = run.loader.epoch(st.epoch, st.step_in_epoch)
+    pending = 0.0  # step seconds not yet on the clock (a torchrun's, until its ranks agree)
     while st.step_in_epoch < len(run.loader):
         t0 = time.perf_counter()
-        # ranks agree on the clock and on Ctrl-C, so they stop together
-        flags = all_reduce_(torch.tensor([st.train_seconds, float(stop.set)]), dd, dist.ReduceOp.MAX)
-        if flags[1] > 0:  # before the forward pass, which would move BatchNorm statistics
-            raise Interrupted
-        st.train_seconds = float(flags[0])
+        due = st.global_step % READ_EVERY == 0
+        if due or (dd.world == 1 and stop.set):
+            read_running(run, bar)
+        if due or dd.world == 1:
+            check_stop(run, dd, stop, pending)
+            pending = 0.0
         if run.progress() >= 1.0:
-            return
+            break
         xb, yb = next(batches)
         t1 = time.perf_counter()
-        loss, correct = train_step(run, xb, yb, norm, dev, dd, amp)
-        st.train_seconds += time.perf_counter() - t0
+        train_step(run, xb, yb, norm)
         st.data_seconds += t1 - t0
         st.images_seen += len(yb)
         st.global_step += 1
         st.step_in_epoch += 1
+        st.count += len(yb)
         if run.lookahead is not None:
             run.lookahead.step(st.global_step, run.progress())
-        st.loss_sum += loss * len(yb)
-        st.correct_sum += correct
-        st.count += len(yb)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{st.correct_sum / st.count:.3f}",
-                            img_s=f"{run.images_per_s(dd.world):.0f}")
+        if dd.world == 1:
+            st.train_seconds += time.perf_counter() - t0
+        else:
+            pending += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read_running(run, bar)  # waits for the last steps' GPU work, which the clock must count
+    check_stop(run, dd, stop, pending + time.perf_counter() - t0)
 
 
 def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: torch.device, dd: Dist,
@@ -457,7 +530,7 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
     if run.lookahead is not None and (ended or run.progress() >= 1.0):
         run.lookahead.sync()  # the model tested and kept is the slow average (airbench)
     test = functools.partial(evaluate, norm=norm, x=ds.data.test_x, y=ds.data.test_y, batch_size=cfg.eval_batch_size,
-                             device=dev, dd=dd, channels_last=run.channels_last, bf16=cfg.bf16)
+                             device=dev, dd=dd, channels_last=run.channels_last, amp_dtype=run.amp_dtype)
     average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
     ev = test(run.model)
     raw = {}
@@ -466,7 +539,8 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
         raw = {"test_loss_no_ema": ev["loss"], "test_acc_no_ema": ev["acc"]}
         ev = test(run.ema.module)
     st.best_acc = max(st.best_acc, ev["acc"])
-    sums = all_reduce_(torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64), dd)
+    sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=dev)
+    sums = all_reduce_(sums, dd).tolist()
     line = dict(model=run.family, epoch=round(st.epoch + (1.0 if ended else st.step_in_epoch / len(run.loader)), 4),
                 step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
                 train_acc=float(sums[1] / max(sums[2], 1)), test_loss=ev["loss"], test_acc=ev["acc"],
@@ -487,6 +561,14 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
             run.save()
 
 
+def precision(run: Run) -> str:
+    """What the run's arithmetic is, as the report states it."""
+    if run.amp_dtype is None:
+        return "fp32"
+    return f"{str(run.amp_dtype).removeprefix('torch.')} autocast" + (" + grad scaler" if run.scaler.is_enabled()
+                                                                          else "")
+
+
 def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
                 dev: torch.device, dd: Dist, stop: StopFlag, log) -> dict:
     """Train one model (from its checkpoint when resuming); returns its result dict with the
@@ -502,14 +584,13 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
             rows = [m for m in read_jsonl(out / "metrics.jsonl")
                     if m["model"] != family or m["step"] <= run.st.global_step]
             write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in rows))
-    norm = ds.norm.to(dev)
+    norm = ds.norm
     pipeline = pipeline_speed(run.loader, norm) if dd.main else {}
     r = run.recipe
     log(f"[{family}] {cfg.preset(family)}: {count_params(model) / 1e6:.3f} M params, "
         f"{model.flops / 1e6:.1f} MFLOP/img; "
         f"{r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} ({len(run.loader)} steps/epoch); "
-        f"pipeline alone {pipeline.get('augmented_images_per_s', 0):.0f} img/s")
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+        f"{precision(run)} on {dev}; pipeline alone {pipeline.get('augmented_images_per_s', 0):.0f} img/s")
     bar = None
     if cfg.progress and dd.main:
         from tqdm import tqdm
@@ -518,7 +599,7 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
     model.train()
     try:
         while run.progress() < 1.0:
-            train_epoch(run, norm, dev, dd, stop, amp, bar)
+            train_epoch(run, norm, dd, stop, bar)
             end_epoch(run, cfg, ds, norm, out, dev, dd, log)
     except Interrupted:
         if dd.main:
@@ -546,13 +627,14 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
             raw["final_acc_no_ema"] = metrics[-1]["test_acc_no_ema"]
         model.load_state_dict(run.ema.module.state_dict())
     final = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev, dd=dd,
-                     channels_last=run.channels_last, tta=cfg.tta, bf16=cfg.bf16)
+                     channels_last=run.channels_last, tta=cfg.tta, amp_dtype=run.amp_dtype)
     result = dict(family=run.family, preset=cfg.preset(run.family), params=count_params(model),
                   flops_per_image=model.flops, epochs=metrics[-1]["epoch"] if metrics else st.epoch,
                   steps=st.global_step, final_acc=final["acc"], best_acc=max(st.best_acc, final["acc"]),
                   final_loss=final["loss"], train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
                   data_share=st.data_seconds / max(st.train_seconds, 1e-9), recipe=asdict(run.recipe),
-                  batch_per_rank=run.loader.batch_size, world_size=dd.world, pipeline=pipeline, wall_seconds=wall_s,
+                  batch_per_rank=run.loader.batch_size, world_size=dd.world, precision=precision(run),
+                  pipeline=pipeline, wall_seconds=wall_s,
                   **raw)
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
@@ -573,7 +655,8 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
 def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: dict, dev: torch.device) -> None:
     """Global context on a fixed sample of test images, then summary.json, the plots and report.md."""
     pick = torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[: cfg.context_images]
-    images = ds.norm.to(dev)(ds.data.test_x[pick].to(dev))
+    pick = pick.to(ds.data.test_x.device)
+    images = ds.norm(ds.data.test_x[pick])
     context = {fam: report.context_metrics(m, images) for fam, m in modules.items()}
     for fam, c in context.items():
         summary["models"][fam]["erf_radius_px"] = [e["radius_px"] for e in c["erf"]]
@@ -582,9 +665,9 @@ def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: d
             summary["models"][fam]["attention_entropy_nats"] = c["attention_entropy"].tolist()
     figs = []
     if cfg.plots:
-        shown = ds.data.test_x[pick][:16].float() / 255
+        shown = ds.data.test_x[pick][:16].float().cpu() / 255
         figs = report.write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context, shown,
-                                  ds.data.test_y[pick][:16], ds.data.classes)
+                                  ds.data.test_y[pick][:16].cpu(), ds.data.classes)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     report.write_report(out, summary, context, figs)
 
@@ -638,9 +721,9 @@ def main(config: Config) -> dict:
     dd, dev, out = place_run(cfg)
     log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
     try:
-        ds = load_dataset(cfg)
+        ds = load_dataset(cfg, dev)
         models = {fam: build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
-        ckpts = {fam: load_checkpoint(out / "checkpoints" / f"{fam}.pt", dev)
+        ckpts = {fam: load_checkpoint(out / "checkpoints" / f"{fam}.pt")
                  if (out / "checkpoints" / f"{fam}.pt").exists() else None for fam in models}
         if dd.main and not cfg.resume:  # everything checked: now the run folder is written
             out.mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,7 @@ PEAK_SHAPES = ((2048, 2048, 2048), (8192, 192, 768), (8192, 768, 192), (8192, 38
 
 
 def matmul_peak(device: torch.device, dtype=torch.float32, reps: int = 5) -> float:
-    """Best fp32 GFLOP/s of several ``(M, K) @ (K, N)`` products on this device, now (the best
+    """Best GFLOP/s in ``dtype`` of several ``(M, K) @ (K, N)`` products on this device, now (the best
     of ``reps`` each, then the best shape: the square one alone ran slower than the ViT's own
     shapes on the 2-core EPYC, which put shares above 100%)."""
     rates = []
@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     env = environment(device)
     t0 = time.perf_counter()
-    peaks = [matmul_peak(device)]
+    peak_dtype = torch.bfloat16 if args.amp else torch.float32  # the share is of the precision the steps run in
+    peaks = [matmul_peak(device, peak_dtype)]
     rows: list[dict] = []
     for name in names:
         if name == "cifar_pipeline":
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
                 c = replace(c, batch=args.batch)
             rows += run_case(c, args, device, peaks[0])
         print(f"# {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    peaks.append(matmul_peak(device))
+    peaks.append(matmul_peak(device, peak_dtype))
     peak = max(peaks)
     for r in rows:  # share of the best peak seen in the run
         if r.get("gflops_per_s"):

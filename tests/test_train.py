@@ -304,6 +304,9 @@ def test_cli_help_and_preset_routing(capsys):
     assert e.value.code == 0 and "--time-budget" in capsys.readouterr().out
     cfg = T.parse_args(["--vit-preset", "vit_cifar_lee_patch4", "--cnn-preset", "cnn_cifar_small", "--bf16"])
     assert (cfg.vit_preset, cfg.cnn_preset, cfg.bf16) == ("vit_cifar_lee_patch4", "cnn_cifar_small", True)
+    assert (cfg.amp, cfg.autocast_dtype()) == (True, torch.bfloat16)  # --bf16 is --amp --amp-dtype bfloat16
+    assert T.parse_args(["--amp", "--amp-dtype", "float16"]).autocast_dtype() == torch.float16
+    assert T.parse_args([]).autocast_dtype() is None
     with pytest.raises(SystemExit):
         T.parse_args(["--vit-preset", "cnn_cifar"])  # a CNN preset where a ViT one belongs
 
@@ -428,8 +431,10 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
 @pytest.mark.parametrize("family, kw, at", [("cnn", {}, 10), ("vit", dict(model="vit", optimizer="muon", lr=1e-3), 10),
                                             ("cnn", dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12),
                                             ("cnn", dict(lookahead_decay=0.9, padding_mode="reflect", momentum=0.85,
-                                                         warmup_lr=0.01, min_lr=0.01), 10)],
-                         ids=["cnn-sgd", "vit-muon", "cnn-ema", "cnn-lookahead"])
+                                                         warmup_lr=0.01, min_lr=0.01), 10),
+                                            ("vit", dict(model="vit", amp=True, amp_dtype="float16"), 10),
+                                            ("cnn", dict(amp=True, amp_dtype="bfloat16"), 10)],
+                         ids=["cnn-sgd", "vit-muon", "cnn-ema", "cnn-lookahead", "vit-fp16", "cnn-bf16"])
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
@@ -446,6 +451,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
     assert T.main(cfg)["status"] == "interrupted"
     ck = torch.load(Path(cfg.out) / "checkpoints" / f"{family}.pt", weights_only=True)
     assert (ck["state"]["epoch"], ck["state"]["step_in_epoch"]) == (2, 2)  # stops before the next step
+    assert ("scaler" in ck) == (kw.get("amp_dtype") == "float16")  # fp16's loss scale resumes too
     monkeypatch.setattr(T.F, "cross_entropy", cross_entropy)
     resumed = T.main(T.Config(resume=cfg.out, progress=False))
     assert resumed["status"] == "ok"
@@ -586,6 +592,8 @@ BAD_OPTIONS = [
     (["--cnn-kwargs", '{"stem": "fft"}'], "--cnn-kwargs: .*stem"),
     (["--long-range-background", "stars"], "invalid choice"),
     (["--seed", str(2**70)], r"--seed must be below 2\*\*32"),
+    (["--bf16", "--amp", "--amp-dtype", "float16"], "--bf16 means --amp --amp-dtype bfloat16"),
+    (["--amp-dtype", "float32"], "invalid choice"),
 ]
 
 
@@ -654,6 +662,15 @@ def test_images_of_another_size_build_the_vit_for_them_or_are_refused_up_front(t
     out = tmp_path / "b" / "run"
     code, err = run_cli(capsys, "--data-dir", odd, "--out", out, "--model", "vit", "--epochs", 1)
     assert code == 2 and "30x30" in err and "4x4 patches" in err and not out.exists()
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, folder):
+    cfg = tiny(tmp_path, folder, batch_size=13)
+    ds = T.load_dataset(cfg)
+    with pytest.raises(T.UsageError, match="--batch-size is the global batch and must split evenly over the 2 "
+                                           "processes, got 13"):
+        T.build_model("cnn", cfg, ds, torch.device("cpu"), world=2)
+    assert T.build_model("cnn", replace(cfg, batch_size=12), ds, torch.device("cpu"), world=2) is not None
 
 
 def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsys):

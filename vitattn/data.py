@@ -16,6 +16,7 @@ translate); DeVries & Taylor 2017 (cutout).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -68,6 +69,11 @@ class ImageData:
                 raise ValueError(f"{name}_x: expected uint8 (N, 3, H, W), got {x.dtype} {tuple(x.shape)}")
             if y.shape != (x.shape[0],):
                 raise ValueError(f"{name}_y: expected ({x.shape[0]},) labels, got {tuple(y.shape)}")
+
+    def to(self, device: torch.device | str) -> ImageData:
+        """The same images and labels on ``device`` (CIFAR-10 is 180 MB as uint8)."""
+        moved = {k: getattr(self, k).to(device) for k in ("train_x", "train_y", "test_x", "test_y")}
+        return dataclasses.replace(self, **moved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,11 +270,13 @@ def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator,
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
     b, c, h, w = x.shape
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
+    # the draws come from the CPU generator (the same batches on every device), the work runs on x's
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
     mirrored = (torch.rand(b, generator=gen) < 0.5) if flip else torch.zeros(b, dtype=torch.bool)
-    cols = torch.where(mirrored[:, None], torch.arange(w).flip(0), torch.arange(w)) + dx[:, None]  # (B, W)
-    rows = torch.arange(h) + dy[:, None]  # (B, H)
+    cols = torch.arange(w, device=x.device)
+    cols = torch.where(mirrored.to(x.device)[:, None], cols.flip(0), cols) + dx[:, None]  # (B, W)
+    rows = torch.arange(h, device=x.device) + dy[:, None]  # (B, H)
     xp = torch.nn.functional.pad(x, (pad, pad, pad, pad), mode=padding_mode) if pad > 0 else x
     xp = xp.gather(2, rows[:, None, :, None].expand(b, c, h, w + 2 * pad))
     return xp.gather(3, cols[:, None, None, :].expand(b, c, h, w))
@@ -279,9 +287,9 @@ def cutout(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
     if size <= 0:
         return x
     b, _, h, w = x.shape
-    cy = torch.randint(0, h, (b,), generator=gen)[:, None, None]
-    cx = torch.randint(0, w, (b,), generator=gen)[:, None, None]
-    ys, xs = torch.arange(h)[None, :, None], torch.arange(w)[None, None, :]
+    cy = torch.randint(0, h, (b,), generator=gen).to(x.device)[:, None, None]
+    cx = torch.randint(0, w, (b,), generator=gen).to(x.device)[:, None, None]
+    ys, xs = torch.arange(h, device=x.device)[None, :, None], torch.arange(w, device=x.device)[None, None, :]
     hole = ((ys - cy).abs() <= size // 2) & ((xs - cx).abs() <= size // 2)  # (B, H, W)
     return x.masked_fill(hole[:, None], 0)
 
@@ -337,11 +345,13 @@ def step_generator(seed: int, *keys: int) -> torch.Generator:
 
 
 class BatchLoader:
-    """Batches of ``(images uint8, labels)`` for one epoch of one rank.
+    """Batches of ``(images uint8, labels)`` for one epoch of one rank, on the device ``x`` is on.
 
     Every rank draws the same permutation for an epoch and takes ``perm[rank::world]``, so
     ranks see disjoint shards of equal size (the remainder is dropped when training). With
-    ``drop_last`` a short final batch is dropped, as in training.
+    ``drop_last`` a short final batch is dropped, as in training. Held on a GPU, the images are
+    indexed, augmented and (by the caller) normalised there: the host only draws the random
+    numbers (airbench's way), from the same CPU generators on every device.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool = True,
@@ -372,6 +382,7 @@ class BatchLoader:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches of one epoch from ``start_step`` on (for resuming mid-epoch)."""
         idx = self.indices(epoch)
+        idx = idx.to(self.x.device)
         for step in range(start_step, len(self)):
             j = idx[step * self.batch_size:(step + 1) * self.batch_size]
             x = self.x[j]
@@ -389,11 +400,12 @@ def pipeline_speed(loader: BatchLoader, norm: nn.Module, batches: int = 20) -> d
     out = {}
     for name, aug in (("augmented", loader.augment), ("plain", None)):
         probe = BatchLoader(loader.x, loader.y, loader.batch_size, augment=aug, seed=loader.seed + 1)
-        n, t = 0, time.perf_counter()
+        n, t, total = 0, time.perf_counter(), torch.zeros((), device=loader.x.device)
         for i, (xb, _) in enumerate(probe.epoch(0)):
-            norm(xb)
+            total += norm(xb)[0, 0, 0, 0]
             n += len(xb)
             if i + 1 >= batches:
                 break
+        total.item()  # waits for a GPU to finish the batches
         out[f"{name}_images_per_s"] = n / (time.perf_counter() - t)
     return out

@@ -163,18 +163,34 @@ def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return 1.0
 
 
-class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) with ``torch.optim.Muon``'s arguments, defaults, state and
+    checkpoints, and its Newton-Schulz iteration run in ``ns_dtype``.
 
-    torch runs it in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix products
-    and many times slower than fp32 on CPUs without them, a large share of a CPU training step there
-    (docs/training.md). ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with
-    ``torch.bfloat16`` the steps equal torch's bit for bit (tests/test_train.py). Same arguments,
-    state and checkpoints as ``torch.optim.Muon``.
+    torch runs the iteration in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix
+    products and many times slower than fp32 on CPUs without them (docs/training.md).
+    ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with ``torch.bfloat16`` the steps
+    equal torch's bit for bit (tests/test_train.py). Our own class rather than a subclass of
+    ``torch.optim.Muon``, so that the package imports on torch releases older than Muon (2.9).
     """
 
-    def __init__(self, params, *, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 ns_dtype: torch.dtype | None = None) -> None:
+        for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not v >= 0:
+                raise ValueError(f"Muon's {name} must be >= 0, got {v}")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw", "spectral_unclamped"):
+            raise ValueError(f"adjust_lr_fn must be None, 'original', 'match_rms_adamw' or 'spectral_unclamped', "
+                             f"got {adjust_lr_fn!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                      ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon steps 2-D weights only, got one of shape {tuple(p.shape)}")
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
@@ -327,7 +343,8 @@ class Lookahead:
         return {"slow": self.slow}
 
     def load_state_dict(self, state: dict) -> None:
-        self.slow = state["slow"]
+        slow, fast = state["slow"], self._floats()  # onto the model's device: checkpoints load on the CPU
+        self.slow = None if slow is None else {k: v.to(fast[k].device) for k, v in slow.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,44 +408,46 @@ def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tupl
 @torch.no_grad()
 def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
              device: torch.device | str = "cpu", dd: Dist | None = None, channels_last: bool = False,
-             tta: bool = False, bf16: bool = False) -> dict:
+             tta: bool = False, amp_dtype: torch.dtype | None = None) -> dict:
     """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
 
     With ``tta`` also ``acc_tta`` (softmax averaged over each image and its mirror) and
     ``acc_tta_shift`` (airbench's six views, its ``tta_level=2``: half weight on that pair, half
     on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy.
+    ``amp_dtype`` runs the model under autocast. Sums stay on ``device`` (what NCCL reduces) and
+    are read once at the end, so a GPU is not stalled after every batch.
     """
     dd = dd or Dist()
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    idx = torch.arange(dd.rank, len(x), dd.world)
-    sums = torch.zeros(5, dtype=torch.float64)  # loss, correct, correct flip-TTA, correct 6-view, count
-    hits = torch.zeros(len(x), dtype=torch.int32)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    idx = torch.arange(dd.rank, len(x), dd.world, device=x.device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, flip-TTA, 6-view, count
+    hits = torch.zeros(len(x), dtype=torch.int32, device=device)
     for j in idx.split(batch_size):
         xb = norm(x[j].to(device))
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
         yb = y[j].to(device)
-        with amp:
+        with autocast(device, amp_dtype):
             logits = model(xb).float()
         ok = logits.argmax(1) == yb
-        sums[0] += float(F.cross_entropy(logits, yb, reduction="sum"))
-        sums[1] += int(ok.sum())
+        sums[0] += F.cross_entropy(logits, yb, reduction="sum")
+        sums[1] += ok.sum()
         sums[4] += len(j)
-        hits[j] = ok.cpu().to(torch.int32)
+        hits[j.to(device)] = ok.int()
         if tta:
-            with amp:
+            with autocast(device, amp_dtype):
                 pair, four = _tta_probs(model, xb, logits)
-            sums[2] += int((pair.argmax(1) == yb).sum())
-            sums[3] += int(((pair + four).argmax(1) == yb).sum())
+            sums[2] += (pair.argmax(1) == yb).sum()
+            sums[3] += ((pair + four).argmax(1) == yb).sum()
     model.train(was_training)
     all_reduce_(sums, dd)
     all_reduce_(hits, dd)
-    out = {"loss": float(sums[0] / sums[4]), "acc": float(sums[1] / sums[4]), "hits": hits.bool()}
+    loss, correct, flip, views, count = (sums / sums[4]).tolist()
+    out = {"loss": loss, "acc": correct, "hits": hits.bool().cpu()}
     if tta:
-        out["acc_tta"], out["acc_tta_shift"] = float(sums[2] / sums[4]), float(sums[3] / sums[4])
+        out["acc_tta"], out["acc_tta_shift"] = flip, views
     return out
 
 
@@ -457,10 +476,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, map_location: torch.device | str = "cpu") -> dict:
-    """``torch.load(weights_only=True)``; an unreadable file raises a ``CheckpointError`` naming it."""
+def load_checkpoint(path: Path) -> dict:
+    """``torch.load(weights_only=True)`` onto the CPU, whatever device saved it: ``load_state_dict``
+    moves weights and optimiser state to the model's device, and random states must stay CPU
+    tensors. An unreadable file raises a ``CheckpointError`` naming it."""
     try:
-        ck = torch.load(path, map_location=map_location, weights_only=True)
+        ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file surfaces as zip, pickle, EOF or OS errors, depending on where
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
                               "it was left untouched. Move it away to train that model afresh.") from e
@@ -529,6 +550,32 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but this machine has no CUDA device; use --device cpu")
     return dev
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The random states a training step draws from: the CPU's, and ``device``'s when it is a GPU
+    (dropout and drop-path draw there)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore ``rng_states``; a checkpoint written on the CPU resumed on a GPU keeps the GPU's seed."""
+    torch.set_rng_state(states["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+
+
+AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` in ``dtype`` on ``device``, or nothing for ``None`` (fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def setup_distributed(device: torch.device) -> Dist:
