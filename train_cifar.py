@@ -22,16 +22,23 @@ Touvron et al. 2021 (DeiT) for the ViT recipe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl  # the run folder's lock; POSIX only
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -65,8 +72,10 @@ from vitattn.train import (
     Lookahead,
     OptimizerChain,
     Recipe,
+    Signalled,
     StopFlag,
     all_reduce_,
+    append_jsonl,
     autocast,
     average_buffers,
     build_optimizer,
@@ -77,6 +86,7 @@ from vitattn.train import (
     get_lr,
     load_checkpoint,
     model_ema,
+    native_bf16,
     pick_device,
     read_jsonl,
     rng_states,
@@ -161,7 +171,8 @@ class Config:
     eval_batch_size: int = option(500, "images per evaluation batch")
     out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already")
     resume: str | None = option(None, "a run folder to continue, with the options it was started with")
-    context_images: int = option(128, "test images for the global-context measures")
+    context_images: int | None = option(None, "test images for the global-context measures (default: 128, or "
+                                        "the whole test set when smaller)")
     progress: bool = option(True, "tqdm progress bar")
     plots: bool = option(True, "write PNG plots (matplotlib)")
 
@@ -179,6 +190,8 @@ class Config:
                 continue
             if "int" in f.type and not isinstance(v, int):
                 raise UsageError(f"{flag} must be a whole number, got {v!r}")
+            if v in (math.inf, -math.inf):
+                raise UsageError(f"{flag} must be a finite number, got {v!r}")
             bad = ((f.name in self.POSITIVE and not v > 0) or (f.name in self.NON_NEGATIVE and not v >= 0)
                    or (f.name in self.FRACTION and not 0 <= v < 1))
             if bad:
@@ -202,6 +215,12 @@ class Config:
 
         for slot in ("vit", "cnn"):  # checked here, so a typo stops the run before anything is written
             self.model_kwargs(slot)
+        for fam in self.models():
+            r = self.recipe(fam)
+            for name in ("warmup_lr", "min_lr"):
+                if getattr(r, name) > r.lr:
+                    raise UsageError(f"--{name.replace('_', '-')} must not exceed the peak --lr ({r.lr:g} for the "
+                                     f"{fam}), got {getattr(r, name):g}")
         if self.optimizer == "muon" and self.model != "vit":
             raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
                              f"{self.model}")
@@ -215,6 +234,10 @@ class Config:
             raise UsageError(f"{flag} must be a JSON object, got {text!r} ({e})") from None
         if not isinstance(kwargs, dict):
             raise UsageError(f"{flag} must be a JSON object of config fields, got {text!r}")
+        from_data = sorted({"img_size", "num_classes", "in_chans"} & set(kwargs))
+        if from_data:  # replacing them would train another model than the one asked for
+            raise UsageError(f"{flag}: {', '.join(from_data)} come from the data (its image size, classes and "
+                             f"channels); drop them from {flag}")
         try:
             vitattn.get_config(self.preset(family), **kwargs)
         except (TypeError, ValueError) as e:
@@ -271,6 +294,9 @@ def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
     if cfg.limit_test:
         data.test_x, data.test_y = data.test_x[: cfg.limit_test], data.test_y[: cfg.limit_test]
         distance = None if distance is None else distance[: cfg.limit_test]
+    if cfg.context_images is not None and cfg.context_images > len(data.test_x):
+        raise UsageError(f"--context-images must be at most the {len(data.test_x)} test images, got "
+                         f"{cfg.context_images}")
     norm = Normalize(*channel_stats(data.train_x))
     if dev is None or dev.type == "cpu":
         return Dataset(data, norm, distance)
@@ -301,7 +327,11 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
         model.flops = flops_per_image(model, size)
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"{preset} cannot take {size[0]}x{size[1]} images: {e}") from e
-    batch = cfg.recipe(family).batch_size
+    r = cfg.recipe(family)
+    for flag, pixels in (("--translate", r.translate), ("--cutout", r.cutout)):
+        if pixels >= min(size):  # a shift or hole this large leaves blank images to train on
+            raise UsageError(f"{flag} must be smaller than the {size[0]}x{size[1]} images, got {pixels}")
+    batch = r.batch_size
     if batch % world:
         raise UsageError(f"{family}: --batch-size is the global batch and must split evenly over the {world} "
                          f"processes, got {batch}; use a multiple of {world}")
@@ -552,8 +582,7 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
         st.epoch, st.step_in_epoch = st.epoch + 1, 0
     st.done = run.progress() >= 1.0
     if dd.main:
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_jsonl(out / "metrics.jsonl", line)
         log(f"[{run.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f} acc "
             f"{line['train_acc']:.4f} | test loss {ev['loss']:.4f} acc {ev['acc']:.4f} | "
             f"{line['images_per_s']:.0f} img/s, {st.train_seconds:.0f} s")
@@ -577,6 +606,8 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
     run = start_run(family, model, ck, cfg, ds, out, dev, dd)
     if run.st.done:
         log(f"[{family}] already finished in {out}; skipping training")
+        if dd.main:  # written anew from the checkpoint: a crash may have cut the first copy short
+            save_safetensors(model, out / "checkpoints" / f"{family}.safetensors")
         return {**ck["result"], "model": model}
     if ck is not None:
         log(f"[{family}] resuming at epoch {run.st.epoch} step {run.st.step_in_epoch} ({run.st.train_seconds:.0f} s)")
@@ -591,6 +622,9 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
         f"{model.flops / 1e6:.1f} MFLOP/img; "
         f"{r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} ({len(run.loader)} steps/epoch); "
         f"{precision(run)} on {dev}; pipeline alone {pipeline.get('augmented_images_per_s', 0):.0f} img/s")
+    if run.amp_dtype == torch.bfloat16 and not native_bf16(dev):
+        log(f"[{family}] warning: {dev} has no native bf16 (no avx512_bf16 / amx_bf16 flags), so bf16 products are "
+            "emulated and run many times slower than fp32 (docs/performance.md); drop --amp for fp32")
     bar = None
     if cfg.progress and dd.main:
         from tqdm import tqdm
@@ -652,9 +686,16 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
 # =============================================================================================
 
 
+def context_sample(cfg: Config, ds: Dataset) -> torch.Tensor:
+    """The fixed test images the global-context measures look at (indices)."""
+    n = cfg.context_images or min(128, len(ds.data.test_x))
+    return torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[:n]
+
+
 def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: dict, dev: torch.device) -> None:
     """Global context on a fixed sample of test images, then summary.json, the plots and report.md."""
-    pick = torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[: cfg.context_images]
+    pick = context_sample(cfg, ds)
+    summary["config"]["context_images"] = len(pick)  # what the report's measures saw
     pick = pick.to(ds.data.test_x.device)
     images = ds.norm(ds.data.test_x[pick])
     context = {fam: report.context_metrics(m, images) for fam, m in modules.items()}
@@ -708,7 +749,40 @@ def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
     if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} is not a new or empty folder; continue a run there with --resume {out} "
                          "or choose another --out")
+    parent = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out} cannot be created: {parent} is not a writable folder")
     return dd, dev, out
+
+
+@contextlib.contextmanager
+def hold(out: Path, main_rank: bool):
+    """Hold the run folder for this process (a lock on the folder itself: nothing is written), so
+    a second ``--resume`` of it is refused while this one runs; the lock ends with the process."""
+    if not main_rank or fcntl is None:
+        yield
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{out} is in use by another process running it; wait for it to end or stop it "
+                             "first") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> None:
+    """A checkpoint must hold this run's model: same family, same weights' names and shapes."""
+    ours, theirs = model.state_dict(), ck["model"]
+    wrong = [k for k in ours if k not in theirs or tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    wrong += [k for k in theirs if k not in ours]
+    if ck.get("family", family) != family or wrong:
+        raise CheckpointError(f"checkpoint {path} does not hold this run's {family} model (a {ck.get('family')} "
+                              f"checkpoint; {len(wrong)} weights differ in name or shape, e.g. {wrong[:3]}); it was "
+                              "left untouched")
 
 
 def main(config: Config) -> dict:
@@ -720,13 +794,29 @@ def main(config: Config) -> dict:
     cfg = resumed_config(config) if config.resume else config
     dd, dev, out = place_run(cfg)
     log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
+    with contextlib.ExitStack() as folder:
+        if cfg.resume:
+            folder.enter_context(hold(out, dd.main))
+        return run_all(cfg, dd, dev, out, log, folder, t0)
+
+
+def run_all(cfg: Config, dd: Dist, dev: torch.device, out: Path, log, folder: contextlib.ExitStack,
+            t0: float) -> dict:
     try:
         ds = load_dataset(cfg, dev)
         models = {fam: build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
-        ckpts = {fam: load_checkpoint(out / "checkpoints" / f"{fam}.pt")
-                 if (out / "checkpoints" / f"{fam}.pt").exists() else None for fam in models}
+        ckpts = {}
+        for fam, model in models.items():
+            path = out / "checkpoints" / f"{fam}.pt"
+            ckpts[fam] = load_checkpoint(path) if path.exists() else None
+            if ckpts[fam] is not None:
+                check_checkpoint(ckpts[fam], model, fam, path)
         if dd.main and not cfg.resume:  # everything checked: now the run folder is written
-            out.mkdir(parents=True, exist_ok=True)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--out {out} cannot be created ({e})") from None
+            folder.enter_context(hold(out, dd.main))
             write_text_atomic(out / "config.json", json.dumps({**asdict(cfg), "out": str(out)}, indent=1))
         if dd.world > 1:
             dist.barrier()
@@ -748,7 +838,7 @@ def main(config: Config) -> dict:
                     break
                 modules[fam] = r.pop("model")
                 results[fam] = r
-        summary = {"status": status, "dataset": cfg.dataset, "data_source": ds.data.source,
+        summary = {"status": status, "signal": stop.signum, "dataset": cfg.dataset, "data_source": ds.data.source,
                    "classes": list(ds.data.classes), "world_size": dd.world, "models": results,
                    "config": asdict(cfg), "environment": environment(dev), "out": str(out)}
         if status == "ok" and dd.main:
@@ -791,17 +881,30 @@ def parse_args(argv: list[str] | None = None) -> Config:
         p.error(str(e))
 
 
+def _stop_before_training(signum, frame):
+    raise Signalled(signum)
+
+
 def cli(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal (130 for Ctrl-C,
+    143 for SIGTERM) when stopped, with a resumable checkpoint once training has begun."""
     cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_before_training)  # the default would end the process without a word
     try:
         summary = main(cfg)
     except (UsageError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Signalled as e:
+        print(f"stopped by {signal.Signals(e.signum).name}: before training began, or sent twice; the last "
+              "checkpoint (if any) is kept", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
-        print("aborted (second Ctrl-C); the last checkpoint is kept", file=sys.stderr)
+        print("stopped by SIGINT before training began; nothing to resume", file=sys.stderr)
         return 130
-    return {"ok": 0, "interrupted": 130, "nan": 1}[summary["status"]]
+    if summary["status"] == "interrupted":
+        return 128 + summary["signal"]
+    return {"ok": 0, "nan": 1}[summary["status"]]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train_cifar.py at the repository root
 import train_cifar as T  # noqa: E402
 from vitattn import report  # noqa: E402
-from vitattn.data import step_generator  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +42,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     dev = torch.device("cpu")
-    pick = torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[: cfg.context_images]
+    pick = T.context_sample(cfg, ds)
     images = ds.norm(ds.data.test_x[pick])
     rows, contexts = {}, {}
     for fam, path in weights.items():

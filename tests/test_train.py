@@ -31,7 +31,7 @@ SCORE_KEYS = ("model", "epoch", "step", "train_loss", "train_acc", "test_loss", 
 
 def tiny(tmp_path: Path, data_dir, **kw) -> T.Config:
     base = dict(data_dir=str(data_dir), out=str(tmp_path / "run"), model="cnn", cnn_preset="cnn_cifar_small",
-                epochs=3, batch_size=12, lr=0.05, progress=False, plots=False, context_images=8)
+                epochs=3, batch_size=12, lr=0.05, progress=False, plots=False)
     return T.Config(**{**base, **kw})
 
 
@@ -77,7 +77,7 @@ def test_lr_schedule_can_start_and_end_above_zero():
         assert min(lrs) == pytest.approx(0.07) and max(lrs) == pytest.approx(1.0)
     assert get_lr(0.115, 1.0, 0.23, "linear", warmup_lr=0.2) == pytest.approx(0.6)  # half way up the ramp
     assert get_lr(0.615, 1.0, 0.23, "linear", min_lr=0.1) == pytest.approx(0.55)  # half way down
-    cfg = T.Config(momentum=0.85, warmup_lr=0.1, min_lr=0.05)
+    cfg = T.Config(model="cnn", momentum=0.85, warmup_lr=0.1, min_lr=0.05)
     r = cfg.recipe("cnn")
     assert (r.momentum, r.warmup_lr, r.min_lr) == (0.85, 0.1, 0.05)
 

@@ -30,7 +30,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from .helpers import feature_take_indices
+from .helpers import check_float, check_input_dtype, check_int, feature_take_indices
 from .init import whitening_basis
 
 
@@ -50,6 +50,15 @@ class CNNConfig:
     global_pool: str = "max"  # 'max' (airbench) or 'avg': a mean makes the logits a sum over places
 
     def __post_init__(self) -> None:
+        for name in ("in_chans", "stem_width"):
+            check_int(name, getattr(self, name))
+        check_int("num_classes", self.num_classes, low=0)
+        if not isinstance(self.widths, (tuple, list)) or not self.widths:
+            raise ValueError(f"widths must be a non-empty list of stage widths, got {self.widths!r}")
+        for w in self.widths:
+            check_int("widths", w)
+        check_float("drop_rate", self.drop_rate, 0.0, 1.0)
+        check_float("head_scale", self.head_scale, 0.0, low_open=True)
         self.widths = tuple(self.widths)
         if self.global_pool not in ("max", "avg"):
             raise ValueError(f"global_pool must be 'max' or 'avg', got {self.global_pool!r}")
@@ -154,6 +163,7 @@ class SmallCNN(nn.Module):
         """``(B, C, H, W) -> (B, num_features, H/2^S, W/2^S)``."""
         if x.ndim != 4 or x.shape[1] != self.config.in_chans:
             raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
+        check_input_dtype(x, self.stem[0].weight)
         x = self.stem(x)
         for stage in self.stages:
             x = stage(x)
@@ -176,5 +186,6 @@ class SmallCNN(nn.Module):
         return stage_intermediates(self.stages, self.stem(x), take, intermediates_only)
 
     def reset_classifier(self, num_classes: int) -> None:
+        check_int("num_classes", num_classes, low=0)
         self.num_classes = num_classes
         self.head = nn.Linear(self.num_features, num_classes, bias=False) if num_classes > 0 else nn.Identity()

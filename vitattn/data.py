@@ -85,9 +85,13 @@ def _decode_image(data: bytes, name: str) -> torch.Tensor:
 
     try:
         with Image.open(io.BytesIO(data)) as im:
+            if im.mode.startswith(("I", "F")):  # 16- or 32-bit samples: converting would clip them to 255
+                raise DataError(f"image {name} has {im.mode} samples; expected 8-bit images (RGB, grey or palette)")
             im = im.convert("RGB")
             w, h = im.size
             return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+    except Image.DecompressionBombError as e:
+        raise DataError(f"image {name} is refused: {e}") from e
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise DataError(f"corrupt or unreadable image {name}: {e}") from e
 
@@ -113,6 +117,8 @@ def _collect(items: list[tuple[str, str, str, bytes]], source: str) -> ImageData
     if not classes or not by_split["test"]:
         raise DataError(f"{source}: expected train/<class>/*.png|jpg and test/<class>/..., "
                         f"found {len(by_split['train'])} train and {len(by_split['test'])} test images")
+    if len(classes) < 2:
+        raise DataError(f"{source}: expected at least 2 classes to tell apart, found {len(classes)} ({classes[0]})")
     if not test_classes <= set(classes):
         raise DataError(f"{source}: test classes {sorted(test_classes - set(classes))} are not in train")
     index = {c: i for i, c in enumerate(classes)}
@@ -137,6 +143,10 @@ def _split_class(rel: str) -> tuple[str, str] | None:
 def read_image_folder(root: Path) -> ImageData:
     items = []
     for split in ("train", "test"):
+        for d in sorted(p for p in (root / split).iterdir() if p.is_dir()):
+            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in d.iterdir()):
+                raise DataError(f"class folder {d} holds no images ({', '.join(IMAGE_SUFFIXES)}); remove it or "
+                                "fill it, so that the class list is what you meant")
         for f in sorted((root / split).glob("*/*")):
             sc = _split_class(str(f.relative_to(root)))
             if sc is not None:
@@ -157,13 +167,38 @@ def read_tar(path: Path) -> ImageData:
     return _collect(items, str(path))
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles what a CIFAR batch holds (dicts, lists, strings, bytes, numbers, numpy arrays of
+    numbers) and refuses every other class, so a data file cannot run code as it loads."""
+
+    ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+              ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ARRAYS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: a CIFAR batch holds only arrays, lists and "
+                                     "numbers")
+
+
+def _load_cifar_pickle(fh) -> dict:
+    d = _CifarUnpickler(fh, encoding="latin1").load()
+    if not isinstance(d, dict):
+        raise pickle.UnpicklingError(f"expected a dict, got {type(d).__name__}")
+    data = d.get("data")
+    if data is not None and getattr(getattr(data, "dtype", None), "kind", "u") not in "biuf":
+        raise pickle.UnpicklingError(f"'data' holds {data.dtype} values, not numbers")
+    return d
+
+
 def read_cifar_batches(folder: Path) -> ImageData:
-    """torchvision's ``cifar-10-batches-py``: pickled dicts of ``data`` (N, 3072) and ``labels``."""
+    """torchvision's ``cifar-10-batches-py``: pickled dicts of ``data`` (N, 3072) and ``labels``,
+    read by an unpickler that admits nothing but their contents."""
     def load(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         f = folder / name
         try:
             with open(f, "rb") as fh:
-                d = pickle.load(fh, encoding="latin1")  # the dataset's own format, as torchvision reads it
+                d = _load_cifar_pickle(fh)
             x = torch.as_tensor(d["data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
             y = torch.as_tensor(d["labels"], dtype=torch.int64)
         except (OSError, pickle.UnpicklingError, KeyError, EOFError, RuntimeError, ValueError) as e:
@@ -175,8 +210,11 @@ def read_cifar_batches(folder: Path) -> ImageData:
     classes = CIFAR10_CLASSES
     meta = folder / "batches.meta"
     if meta.exists():
-        with open(meta, "rb") as fh:
-            classes = tuple(pickle.load(fh, encoding="latin1")["label_names"])
+        try:
+            with open(meta, "rb") as fh:
+                classes = tuple(_load_cifar_pickle(fh)["label_names"])
+        except (OSError, pickle.UnpicklingError, KeyError, EOFError, TypeError) as e:
+            raise DataError(f"cannot read CIFAR class names {meta}: {e}") from e
     return ImageData(torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), test_x, test_y,
                      classes, str(folder))
 
@@ -195,6 +233,10 @@ def find_source(path: str | os.PathLike) -> tuple[str, Path]:
                 return "batches", cand
         if (p / "train").is_dir() and (p / "test").is_dir():
             return "folder", p
+        for have, missing in (("train", "test"), ("test", "train")):
+            if (p / have).is_dir() and not (p / missing).is_dir():
+                raise DataError(f"{p} has a {have}/ folder but no {missing}/ folder; an ImageFolder tree needs "
+                                f"both: {p}/train/<class>/*.png|jpg and {p}/test/<class>/...")
         tars = sorted(q for q in p.iterdir() if q.name.endswith((".tar.gz", ".tgz")))
         if len(tars) == 1:
             return "tar", tars[0]

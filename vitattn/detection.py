@@ -138,6 +138,8 @@ class ViTDetBackbone(nn.Module):
         final_norm: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(vit, ViT):
+            raise TypeError(f"ViTDetBackbone takes a vitattn ViT, got {type(vit).__name__}")
         ph, pw = vit.patch_embed.patch_size
         if ph != pw:
             raise ValueError(f"ViTDetBackbone needs square patches to give one stride per level, got {ph}x{pw}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 Size2 = tuple[int, int]
 
 
@@ -35,3 +37,42 @@ def feature_take_indices(num_features: int, indices: int | Sequence[int] | None 
         raise ValueError(f"layer indices {idx} out of range for {num_features} layers "
                          f"(expected {-num_features}..{num_features - 1})")
     return [i % num_features for i in idx]
+
+
+def check_int(name: str, value: object, low: int = 1) -> None:
+    """A ``TypeError`` unless ``value`` is a whole number (not a bool), a ``ValueError`` below ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_size(name: str, value: object) -> None:
+    """A positive int or a pair of them (image and patch sizes)."""
+    pair = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be an int or a pair of ints (height, width), got {value!r}")
+    for v in pair:
+        check_int(name, v)
+
+
+def check_float(name: str, value: object, low: float, high: float | None = None, *, low_open: bool = False,
+                high_open: bool = True) -> None:
+    """A ``TypeError`` unless ``value`` is a real number, a ``ValueError`` outside the interval."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    above = value > low if low_open else value >= low
+    below = high is None or (value < high if high_open else value <= high)
+    if not (above and below):  # also refuses NaN
+        right = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
+        interval = f"{'(' if low_open else '['}{low}, {right}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Images must be floating point, in the weights' dtype unless autocast casts them."""
+    if not x.is_floating_point():
+        raise TypeError(f"expected floating-point images (normalised, e.g. by vitattn.data.Normalize), got {x.dtype}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"expected {weight.dtype} images, the model's dtype, got {x.dtype}; cast the images "
+                        f"(x.to({weight.dtype})), convert the model (model.to({x.dtype})) or run under torch.autocast")

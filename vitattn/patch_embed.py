@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .helpers import Size2, to_2tuple
+from .helpers import Size2, check_input_dtype, to_2tuple
 
 
 def check_image(x: torch.Tensor, patch_size: Size2, in_chans: int | None = None) -> None:
@@ -107,6 +107,7 @@ class PatchEmbed(nn.Module):
             if pad_h or pad_w:
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         check_image(x, self.patch_size, self.in_chans)
+        check_input_dtype(x, self.proj.weight)
         grid = (x.shape[2] // p1, x.shape[3] // p2)
         if fast:
             x = rearrange(self.proj(x), "b d gh gw -> b (gh gw) d")

@@ -89,6 +89,8 @@ _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagO
 
 def list_models(pattern: str = "*") -> list[str]:
     """Preset names matching a shell-style pattern, sorted."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"list_models takes a shell-style pattern such as 'vit_*', got {pattern!r}")
     return sorted(n for n in PRESETS if fnmatch.fnmatch(n, pattern))
 
 

@@ -36,6 +36,9 @@ Figure = tuple[str, str]  # (file name, caption)
 @torch.no_grad()
 def attention_maps(model: nn.Module, x: torch.Tensor, chunk: int = 32) -> list[torch.Tensor]:
     """``model.get_attention_maps`` over ``x`` in chunks, joined: per layer ``(B, heads, T, T)``."""
+    if not hasattr(model, "get_attention_maps"):
+        raise TypeError(f"attention maps need a model with get_attention_maps (a vitattn ViT), got "
+                        f"{type(model).__name__}")
     per_chunk = [model.get_attention_maps(c) for c in x.split(chunk)]
     return [torch.cat([m[i] for m in per_chunk]) for i in range(len(per_chunk[0]))]
 

@@ -41,6 +41,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         if cond:
             unsupported.append(what)
 
+    check(getattr(model, "dist_token", None) is not None, "a distillation token (DeiT's distilled models)")
     check(getattr(model, "num_reg_tokens", 0) > 0, f"reg_tokens={model.num_reg_tokens}")
     check(getattr(model, "no_embed_class", False), "no_embed_class=True")
     check(model.global_pool not in ("token", "avg", "avgmax", "max", ""), f"global_pool={model.global_pool!r}")
@@ -130,6 +131,8 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
 
 def to_timm(vit: ViT) -> nn.Module:
     """The timm ``VisionTransformer`` twin of a vitattn ``ViT``, with its weights."""
+    if not isinstance(vit, ViT):
+        raise TypeError(f"to_timm takes a vitattn ViT, got {type(vit).__name__}")
     _timm()
     from timm.models.vision_transformer import VisionTransformer
 

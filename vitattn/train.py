@@ -506,7 +506,15 @@ def append_jsonl(path: Path, row: dict) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
+    """The rows of a JSON-lines file; an unterminated last line (a crash mid-write) is left out."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [json.loads(s) for s in lines if s.strip()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,28 +522,46 @@ def read_jsonl(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
+class Signalled(KeyboardInterrupt):
+    """A stop signal where no checkpoint can be saved first (a second signal, or one before training)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill, schedulers and containers send
+
+
 class StopFlag:
-    """SIGINT sets a flag that the loop checks between steps; a second Ctrl-C interrupts at once."""
+    """SIGINT or SIGTERM sets a flag that the loop checks between steps (``signum`` says which came);
+    a second one raises ``Signalled`` at once."""
 
     def __init__(self) -> None:
-        self.set = False
-        self._old = None
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    @property
+    def set(self) -> bool:
+        return self.signum is not None
 
     def __enter__(self) -> StopFlag:
-        if signal.getsignal(signal.SIGINT) is not None and threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                if signal.getsignal(s) is not None:
+                    self._old[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.set:
-            raise KeyboardInterrupt
-        self.set = True
-        print("\ninterrupt: saving a resumable checkpoint after this step (Ctrl-C again to abort)",
-              file=sys.stderr, flush=True)
+            raise Signalled(signum)
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: saving a resumable checkpoint after this step (send it again to "
+              "abort)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -569,6 +595,22 @@ def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> Non
 
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bf16 in hardware: a CUDA GPU that says so, or a CPU with the
+    ``avx512_bf16`` or ``amx_bf16`` flags (Linux). Elsewhere bf16 products are emulated, many
+    times slower than fp32 (docs/performance.md)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return bool({"avx512_bf16", "amx_bf16"} & set(line.split(":", 1)[1].split()))
+    return False
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -26,7 +26,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from .block import Block
-from .helpers import feature_take_indices, to_2tuple
+from .helpers import check_float, check_int, check_size, feature_take_indices, to_2tuple
 from .init import lecun_normal_, mimetic_attention_weights, patch_whitening_weights
 from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
@@ -73,6 +73,19 @@ class ViTConfig:
     patch_init: str = ""  # '' (PyTorch's conv init) or 'whiten' (set from data by ViT.init_stem)
 
     def __post_init__(self) -> None:
+        check_size("img_size", self.img_size)
+        check_size("patch_size", self.patch_size)
+        for name in ("in_chans", "embed_dim", "depth", "num_heads"):
+            check_int(name, getattr(self, name))
+        check_int("num_classes", self.num_classes, low=0)
+        check_float("mlp_ratio", self.mlp_ratio, 0.0, low_open=True)
+        check_float("rope_temperature", self.rope_temperature, 0.0, low_open=True)
+        for name in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
+            check_float(name, getattr(self, name), 0.0, 1.0)
+        if self.init_values is not None:
+            check_float("init_values", self.init_values, 0.0, low_open=True)
+        if self.window_size is not None:
+            check_int("window_size", self.window_size)
         if self.pos_embed not in POS_EMBEDS:
             raise ValueError(f"unknown pos_embed {self.pos_embed!r}; expected one of {POS_EMBEDS}")
         if self.global_pool not in GLOBAL_POOLS:
@@ -337,6 +350,7 @@ class ViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the head (timm's method); ``num_classes=0`` leaves features only."""
+        check_int("num_classes", num_classes, low=0)
         if global_pool is not None:
             if global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None):
                 raise ValueError(f"global_pool {global_pool!r} is not available for this model")

@@ -1,0 +1,93 @@
+"""train_cifar.py's own training step in fp32 against bf16 (and fp16) autocast, side by side.
+
+For each model (the CIFAR-10 defaults) one run per precision is built the way the script builds
+it (same weights, same batches), and their steps are timed interleaved in one process:
+``repeats`` rounds, each timing ``steps`` steps of every precision in rotating order; medians.
+It also prints whether the CPU multiplies bf16 natively (``avx512_bf16`` / ``amx_bf16`` flags)
+and the rate of one bf16 and one fp32 matrix product, which say most of what autocast can buy.
+
+    python benchmarks/precision_step.py --data-dir path/to/cifar10 --json results.json
+    python benchmarks/precision_step.py --device cuda --dtypes float32 bfloat16 float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the main script sits beside the package
+
+import train_cifar as T  # noqa: E402
+from vitattn.train import Dist, native_bf16  # noqa: E402
+
+
+def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512), reps: int = 5) -> float:
+    m, k, n = shape
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", default=None, help="CIFAR-10 as train_cifar.py takes it; default: long-range")
+    p.add_argument("--models", nargs="+", default=["vit", "cnn"], choices=["vit", "cnn"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
+                                                                    long_range_test=64)
+    result = {"environment": T.environment(dev), "native_bf16": native_bf16(dev), "command": " ".join(sys.argv),
+              "gemm_gflops": {d: gemm_gflops(getattr(torch, d), dev) for d in args.dtypes}, "models": {}}
+    print(f"native bf16: {result['native_bf16']}; 8192x512 @ 512x512 GFLOP/s: "
+          + ", ".join(f"{d} {g:.1f}" for d, g in result["gemm_gflops"].items()), flush=True)
+    out = Path(tempfile.mkdtemp())
+    for fam in args.models:
+        runs = {}
+        for d in args.dtypes:
+            amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
+            cfg = T.Config(**data, model=fam, device=args.device, out=str(out / d), progress=False, **amp)
+            ds = T.load_dataset(cfg, dev)
+            run = T.start_run(fam, T.build_model(fam, cfg, ds, dev, 1), None, cfg, ds, out / d, dev, Dist())
+            runs[d] = (run, ds, run.loader.epoch(0))
+        times: dict[str, list[float]] = {d: [] for d in args.dtypes}
+        for rep in range(args.repeats + 1):  # the first round warms up
+            for i in range(len(args.dtypes)):
+                d = args.dtypes[(i + rep) % len(args.dtypes)]
+                run, ds, batches = runs[d]
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    xb, yb = next(batches)
+                    T.train_step(run, xb, yb, ds.norm)
+                run.running.tolist()  # waits for a GPU
+                if rep:
+                    times[d].append((time.perf_counter() - t) / args.steps)
+        batch = runs[args.dtypes[0]][0].loader.batch_size
+        rows = {d: {"img_per_s": batch / statistics.median(ts), "step_s": ts} for d, ts in times.items()}
+        for d in rows:
+            rows[d]["vs_fp32"] = rows[d]["img_per_s"] / rows["float32"]["img_per_s"] if "float32" in rows else None
+            print(f"{fam} {d}: {rows[d]['img_per_s']:.0f} img/s" + (f" ({rows[d]['vs_fp32']:.2f}x fp32)"
+                                                                    if rows[d]["vs_fp32"] else ""), flush=True)
+        result["models"][fam] = {"preset": cfg.preset(fam), "batch": batch, "precisions": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

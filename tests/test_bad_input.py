@@ -1,0 +1,263 @@
+"""Every bad input gets one clear answer: the script exits 2 (143 on SIGTERM) with a message that
+names the option or file, no traceback and nothing written; the library raises TypeError /
+ValueError naming the argument where the value enters. Options-only cases are in
+tests/test_train.py (BAD_OPTIONS); these need data, files or a run."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_data import make_images, write_batches, write_folder
+from test_train import tiny
+
+import train_cifar as T
+import vitattn
+from vitattn.data import DataError, load_cifar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_folder(tmp_path_factory.mktemp("data") / "cifar")
+
+
+def refused(capsys, argv: list, message: str, out: Path | None = None) -> str:
+    """``train_cifar.py argv`` exits 2 with ``message`` and no traceback, and writes no ``out``."""
+    try:
+        code = T.cli([str(a) for a in argv] + ["--no-progress"] + ([] if "--resume" in argv else ["--no-plots"]))
+    except SystemExit as e:
+        code = e.code
+    io = capsys.readouterr()
+    assert code == 2, io.out + io.err
+    assert message in io.err and "Traceback" not in io.err + io.out, io.err
+    assert out is None or not out.exists()
+    return io.err
+
+
+# -- options that only the data can check ------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--translate", "100"], "--translate must be smaller than the 32x32 images, got 100"),
+    (["--cutout", "1000"], "--cutout must be smaller than the 32x32 images, got 1000"),
+    (["--context-images", "100000"], "--context-images must be at most the 12 test images, got 100000"),
+    (["--cnn-kwargs", '{"widths": []}'], "widths must be a non-empty list"),
+    (["--model", "vit", "--vit-kwargs", '{"depth": 0}'], "depth must be >= 1, got 0"),
+    (["--model", "vit", "--vit-kwargs", '{"img_size": 64}'], "img_size come from the data"),
+    (["--cnn-kwargs", '{"num_classes": 3}'], "num_classes come from the data"),
+])
+def test_options_checked_against_the_data_are_refused_before_anything_is_written(tmp_path, folder, capsys, argv,
+                                                                                   message):
+    out = tmp_path / "run"
+    refused(capsys, ["--data-dir", folder, "--out", out, "--model", "cnn", *argv], message, out)
+
+
+# -- data that a decoder would take -------------------------------------------------------------
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def test_sixteen_bit_images_are_refused_not_clipped(tmp_path):
+    from PIL import Image
+
+    root = write_folder(tmp_path / "d", n_train=2, n_test=1)
+    Image.fromarray(np.full((32, 32), 40000, dtype=np.uint16)).save(root / "train" / "cat" / "0000.png")
+    with pytest.raises(DataError, match="0000.png has I;16 samples; expected 8-bit"):
+        load_cifar(root, cache=False)
+
+
+def test_a_decompression_bomb_is_refused_by_name(tmp_path):
+    root = write_folder(tmp_path / "d", n_train=2, n_test=1)
+    header = struct.pack(">IIBBBBB", 40_000, 40_000, 8, 2, 0, 0, 0)  # 1.6 billion pixels claimed
+    bomb = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    (root / "test" / "dog" / "0001.png").write_bytes(bomb + _png_chunk(b"IEND", b""))
+    with pytest.raises(DataError, match="0001.png is refused"):
+        load_cifar(root, cache=False)
+
+
+def test_an_empty_class_folder_is_named_not_dropped(tmp_path):
+    root = write_folder(tmp_path / "d", n_train=2, n_test=1)
+    (root / "train" / "zebra").mkdir()
+    with pytest.raises(DataError, match="zebra holds no images"):
+        load_cifar(root, cache=False)
+
+
+def test_one_class_is_refused(tmp_path):
+    root = write_folder(tmp_path / "d", n_train=2, n_test=1, classes=("cat",))
+    with pytest.raises(DataError, match="at least 2 classes"):
+        load_cifar(root, cache=False)
+
+
+def test_a_train_folder_without_a_test_folder_is_named(tmp_path):
+    root = write_folder(tmp_path / "d", n_train=2, n_test=1)
+    for f in (root / "test").rglob("*.png"):
+        f.unlink()
+    for d in sorted((root / "test").rglob("*"), reverse=True):
+        d.rmdir()
+    (root / "test").rmdir()
+    with pytest.raises(DataError, match="has a train/ folder but no test/ folder"):
+        load_cifar(root, cache=False)
+
+
+class _RunsACommand:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_cifar_batch_cannot_run_code(tmp_path):
+    root = write_batches(tmp_path / "b")
+    marker = tmp_path / "ran"
+    batch = root / "cifar-10-batches-py" / "data_batch_1"
+    x, y = make_images(2, 0)
+    batch.write_bytes(pickle.dumps({"data": _RunsACommand(marker), "labels": y.tolist()}))
+    with pytest.raises(DataError, match="refused to load posix.system"):
+        load_cifar(root, cache=False)
+    assert not marker.exists()
+    batch.write_bytes(pickle.dumps({"data": np.array([object()] * 4), "labels": [0, 1, 2, 3]}))
+    with pytest.raises(DataError, match="refused to load"):
+        load_cifar(root, cache=False)
+
+
+def test_cifar_batches_as_python_writes_them_still_load(tmp_path):
+    data = load_cifar(write_batches(tmp_path / "b"), cache=False)
+    assert data.train_x.dtype == torch.uint8 and len(data.classes) == 3
+
+
+# -- run folders ---------------------------------------------------------------------------------
+def test_an_out_folder_that_cannot_be_made_is_refused(tmp_path, folder, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    refused(capsys, ["--data-dir", folder, "--model", "cnn", "--out", blocker / "run"], "cannot be created")
+    assert blocker.read_text() == "x"
+
+
+def test_resuming_with_another_models_checkpoint_is_refused_and_keeps_it(tmp_path, folder, capsys):
+    a, b = tiny(tmp_path / "a", folder, epochs=1), tiny(tmp_path / "b", folder, epochs=1, cnn_preset="cnn_cifar")
+    T.main(a)
+    T.main(b)
+    other = Path(b.out) / "checkpoints" / "cnn.pt"
+    (Path(a.out) / "checkpoints" / "cnn.pt").write_bytes(other.read_bytes())
+    refused(capsys, ["--resume", a.out], "does not hold this run's cnn model")
+    assert (Path(a.out) / "checkpoints" / "cnn.pt").read_bytes() == other.read_bytes()
+
+
+def test_a_run_resumes_past_a_metrics_line_cut_by_a_crash_and_rewrites_cut_weights(tmp_path, folder, capsys):
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    metrics = Path(cfg.out) / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"model": "cnn", "epo')
+    weights = Path(cfg.out) / "checkpoints" / "cnn.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert T.cli(["--resume", cfg.out, "--no-progress"]) == 0
+    from safetensors.torch import load_file
+
+    assert set(load_file(weights)) == set(vitattn.create_model("cnn_cifar_small", num_classes=3).state_dict())
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
+    with T.hold(Path(cfg.out), True):  # as the first resume does while it runs
+        refused(capsys, ["--resume", cfg.out], "is in use by another process")
+    assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, folder):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
+           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
+           "--no-progress", "--no-plots"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 60
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143, text
+    assert "SIGTERM" in text and "--resume" in text and "Traceback" not in text
+    ck = torch.load(out / "checkpoints" / "cnn.pt", weights_only=True)
+    assert not ck["state"]["done"] and ck["state"]["global_step"] >= 3
+
+
+# -- the library --------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: vitattn.create_model("vit_cifar_patch4", depth="x"), TypeError, "depth must be a whole number"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", depth=0), ValueError, "depth must be >= 1, got 0"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", num_heads=0), ValueError, "num_heads must be >= 1"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", patch_size=0), ValueError, "patch_size must be >= 1"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", mlp_ratio=-1), ValueError, r"mlp_ratio must be in \(0.0"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", num_classes=-1), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", drop_path_rate=1.5), ValueError, "drop_path_rate"),
+    (lambda: vitattn.create_model("cnn_cifar", widths=[]), ValueError, "widths must be a non-empty list"),
+    (lambda: vitattn.create_model("cnn_cifar").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_cifar_patch4").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.list_models(5), TypeError, "shell-style pattern"),
+    (lambda: vitattn.to_timm(vitattn.create_model("cnn_cifar_small")), TypeError, "takes a vitattn ViT"),
+])
+def test_library_arguments_are_checked_where_they_enter(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("name", ["vit_cifar_small_patch4", "cnn_cifar_small"])
+@pytest.mark.parametrize("dtype, message", [(torch.uint8, "expected floating-point images"),
+                                            (torch.float64, "expected torch.float32 images"),
+                                            (torch.float16, "expected torch.float32 images")])
+def test_images_in_another_dtype_than_the_model_are_named(name, dtype, message):
+    model = vitattn.create_model(name, num_classes=3)
+    with pytest.raises(TypeError, match=message):
+        model(torch.zeros(1, 3, 32, 32, dtype=dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts for itself
+        assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 3)
+
+
+def test_detection_and_attention_maps_want_a_vit():
+    from vitattn.detection import ViTDetBackbone
+    from vitattn.report import attention_maps
+
+    cnn = vitattn.create_model("cnn_cifar_small")
+    with pytest.raises(TypeError, match="ViTDetBackbone takes a vitattn ViT, got SmallCNN"):
+        ViTDetBackbone(cnn)
+    with pytest.raises(TypeError, match="attention maps need a model with get_attention_maps"):
+        attention_maps(cnn, torch.zeros(1, 3, 32, 32))
+
+
+def test_a_distilled_deit_is_named_as_unsupported():
+    timm = pytest.importorskip("timm")
+    with pytest.raises(ValueError, match="a distillation token"):
+        vitattn.from_timm(timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False))
+
+
+def test_bad_options_only_the_config_can_check(capsys):
+    for argv, message in ((["--epochs", "inf"], "--epochs must be a finite number"),
+                          (["--time-budget", "inf"], "--time-budget must be a finite number"),
+                          (["--min-lr", "5"], "--min-lr must not exceed the peak --lr"),
+                          (["--vit-kwargs", '{"depth": "x"}'], "depth must be a whole number"),
+                          (["--vit-kwargs", '{"num_heads": 0}'], "num_heads must be >= 1")):
+        refused(capsys, [*argv, "--dataset", "long-range"], message)
