@@ -186,6 +186,8 @@ class Config:
             v, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
             if v is not None and "choices" in f.metadata and v not in f.metadata["choices"]:
                 raise UsageError(f"{flag} must be one of {f.metadata['choices']}, got {v!r}")
+            if v == "" and f.name in ("out", "resume", "data_dir", "vit_preset", "cnn_preset"):
+                raise UsageError(f"{flag} needs a value, got an empty string")
             if v is None or isinstance(v, bool | str):
                 continue
             if "int" in f.type and not isinstance(v, int):
@@ -902,6 +904,14 @@ def cli(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stopped by SIGINT before training began; nothing to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure mid-run: one line, the checkpoints as they were (VITATTN_TRACEBACK=1 shows it)
+        if os.environ.get("VITATTN_TRACEBACK"):
+            raise
+        out = cfg.resume or cfg.out
+        where = f"; the last good checkpoint is kept: python train_cifar.py --resume {out}" if out else ""
+        print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
+              file=sys.stderr)
+        return 1
     if summary["status"] == "interrupted":
         return 128 + summary["signal"]
     return {"ok": 0, "nan": 1}[summary["status"]]

@@ -144,6 +144,19 @@ def test_cifar_batches_as_python_writes_them_still_load(tmp_path):
     assert data.train_x.dtype == torch.uint8 and len(data.classes) == 3
 
 
+def test_a_failure_mid_run_is_one_line_with_the_way_to_resume(tmp_path, folder, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(T, "end_epoch", broken)
+    out = tmp_path / "run"
+    assert T.cli(["--data-dir", str(folder), "--model", "cnn", "--batch-size", "12", "--out", str(out), "--no-progress",
+                  "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert "error: the run failed: RuntimeError: a kernel failed" in err and f"--resume {out}" in err
+    assert "Traceback" not in err
+
+
 # -- run folders ---------------------------------------------------------------------------------
 def test_an_out_folder_that_cannot_be_made_is_refused(tmp_path, folder, capsys):
     blocker = tmp_path / "a_file"
@@ -217,6 +230,12 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, folder):
     (lambda: vitattn.create_model("cnn_cifar", widths=[]), ValueError, "widths must be a non-empty list"),
     (lambda: vitattn.create_model("cnn_cifar").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
     (lambda: vitattn.create_model("vit_cifar_patch4").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", score="cosine"), ValueError, "unknown score 'cosine'"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", logit_floor=-5), ValueError, "logit_floor must be in"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", dynamic_img_size="yes"), TypeError, "must be true or false"),
+    (lambda: vitattn.create_model("vit_cifar_patch4", window_size=2, window_block_indexes=[99]), ValueError,
+     r"window_block_indexes must be block indices in 0..5, got \[99\]"),
+    (lambda: vitattn.create_model("cnn_cifar", dirac_init=1), TypeError, "dirac_init must be true or false"),
     (lambda: vitattn.list_models(5), TypeError, "shell-style pattern"),
     (lambda: vitattn.to_timm(vitattn.create_model("cnn_cifar_small")), TypeError, "takes a vitattn ViT"),
 ])
@@ -259,5 +278,8 @@ def test_bad_options_only_the_config_can_check(capsys):
                           (["--time-budget", "inf"], "--time-budget must be a finite number"),
                           (["--min-lr", "5"], "--min-lr must not exceed the peak --lr"),
                           (["--vit-kwargs", '{"depth": "x"}'], "depth must be a whole number"),
-                          (["--vit-kwargs", '{"num_heads": 0}'], "num_heads must be >= 1")):
+                          (["--vit-kwargs", '{"num_heads": 0}'], "num_heads must be >= 1"),
+                          (["--vit-kwargs", '{"score": "cosine"}'], "unknown score 'cosine'"),
+                          (["--out", ""], "--out needs a value"),
+                          (["--resume", ""], "--resume needs a value")):
         refused(capsys, [*argv, "--dataset", "long-range"], message)

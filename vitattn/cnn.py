@@ -30,7 +30,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from .helpers import check_float, check_input_dtype, check_int, feature_take_indices
+from .helpers import check_bool, check_float, check_input_dtype, check_int, feature_take_indices
 from .init import whitening_basis
 
 
@@ -59,6 +59,8 @@ class CNNConfig:
             check_int("widths", w)
         check_float("drop_rate", self.drop_rate, 0.0, 1.0)
         check_float("head_scale", self.head_scale, 0.0, low_open=True)
+        for name in ("bn_weight", "dirac_init"):
+            check_bool(name, getattr(self, name))
         self.widths = tuple(self.widths)
         if self.global_pool not in ("max", "avg"):
             raise ValueError(f"global_pool must be 'max' or 'avg', got {self.global_pool!r}")

@@ -47,6 +47,11 @@ def check_int(name: str, value: object, low: int = 1) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r}")
+
+
 def check_size(name: str, value: object) -> None:
     """A positive int or a pair of them (image and patch sizes)."""
     pair = value if isinstance(value, (tuple, list)) else (value, value)

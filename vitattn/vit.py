@@ -25,8 +25,9 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
+from .attention import SCORES
 from .block import Block
-from .helpers import check_float, check_int, check_size, feature_take_indices, to_2tuple
+from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
 from .init import lecun_normal_, mimetic_attention_weights, patch_whitening_weights
 from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
@@ -86,6 +87,17 @@ class ViTConfig:
             check_float("init_values", self.init_values, 0.0, low_open=True)
         if self.window_size is not None:
             check_int("window_size", self.window_size)
+        for name in ("qkv_bias", "qk_norm", "class_token", "use_rot_pos_emb", "dynamic_img_size", "dynamic_img_pad"):
+            check_bool(name, getattr(self, name))
+        if self.fc_norm is not None:
+            check_bool("fc_norm", self.fc_norm)
+        if self.score not in SCORES:
+            raise ValueError(f"unknown score {self.score!r}; expected one of {SCORES}")
+        if self.logit_floor is not None:
+            check_float("logit_floor", self.logit_floor, 0.0, low_open=True)
+        bad = [i for i in self.window_block_indexes if not (isinstance(i, int) and 0 <= i < self.depth)]
+        if bad:
+            raise ValueError(f"window_block_indexes must be block indices in 0..{self.depth - 1}, got {bad}")
         if self.pos_embed not in POS_EMBEDS:
             raise ValueError(f"unknown pos_embed {self.pos_embed!r}; expected one of {POS_EMBEDS}")
         if self.global_pool not in GLOBAL_POOLS:
