@@ -891,7 +891,7 @@ def cli(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal (130 for Ctrl-C,
     143 for SIGTERM) when stopped, with a resumable checkpoint once training has begun."""
     cfg = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_before_training)  # the default would end the process without a word
+    old = signal.signal(signal.SIGTERM, _stop_before_training)  # the default ends the process without a word
     try:
         summary = main(cfg)
     except (UsageError, DataError, CheckpointError) as e:
@@ -912,6 +912,8 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
               file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
     if summary["status"] == "interrupted":
         return 128 + summary["signal"]
     return {"ok": 0, "nan": 1}[summary["status"]]

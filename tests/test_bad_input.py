@@ -283,3 +283,17 @@ def test_bad_options_only_the_config_can_check(capsys):
                           (["--out", ""], "--out needs a value"),
                           (["--resume", ""], "--resume needs a value")):
         refused(capsys, [*argv, "--dataset", "long-range"], message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "inf"], "--epochs must be a finite number"),
+    (["--translate", "100"], "--translate must be smaller than the 32x32 images"),
+    (["--cnn-kwargs", '{"widths": []}'], "widths must be a non-empty list"),
+])
+def test_the_command_itself_exits_2_with_one_line(tmp_path, folder, argv, message):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--model", "cnn",
+                        "--out", str(out), "--no-progress", *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr + p.stdout, p.stderr
+    assert not out.exists()
