@@ -146,7 +146,7 @@ class Config:
     min_lr: float | None = option(None, "lr at the end of the decay (default: the recipe's, 0)")
     momentum: float | None = option(None, "SGD's (Nesterov) momentum, or AdamW's beta1, in [0, 1)")
     label_smoothing: float | None = option(None, "cross-entropy target smoothing, in [0, 1)")
-    grad_clip: float | None = option(None, "max gradient norm; 0 = off")
+    grad_clip: float | None = option(None, "max gradient norm; 0 = off", aliases=("--clip-grad",))
     bias_lr_scale: float | None = option(None, "lr multiplier for biases and other parameters without weight decay")
     model_ema_decay: float | None = option(None, "keep and report an exponential moving average of the weights "
                                            "with this decay, in [0, 1); 0 = off")
@@ -169,7 +169,8 @@ class Config:
     channels_last: bool = option(True, "NHWC memory layout for the CNN")
     tta: bool = option(True, "also report final accuracy over mirrored and shifted views")
     eval_batch_size: int = option(500, "images per evaluation batch")
-    out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already")
+    out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already",
+                             aliases=("--output",))
     resume: str | None = option(None, "a run folder to continue, with the options it was started with")
     context_images: int | None = option(None, "test images for the global-context measures (default: 128, or "
                                         "the whole test set when smaller)")
@@ -857,20 +858,65 @@ def run_all(cfg: Config, dd: Dist, dev: torch.device, out: Path, log, folder: co
             dist.destroy_process_group()
 
 
+def list_presets(pattern: str) -> str:
+    """``--list-models``: each preset with its family, size and what it is for."""
+    rows = []
+    for name in vitattn.list_models(pattern):
+        params = count_params(vitattn.create_model(name))
+        family, _, purpose = vitattn.PRESETS[name]
+        default = [k for k, d in DEFAULT_PRESETS.items() if name in d.values()]
+        rows.append(f"{name:44s} {family:4s} {params / 1e6:6.2f}M  {purpose}"
+                    + (f" [default for {', '.join(default)}]" if default else ""))
+    return "\n".join(rows) or f"no preset matches {pattern!r}"
+
+
+def config_file_defaults(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values, which become
+    the defaults that the command line overrides (timm's train.py does the same)."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        p.error(f"-c {path}: cannot read it as YAML ({str(e).splitlines()[0]})")
+    if not isinstance(values, dict):
+        p.error(f"-c {path}: expected a mapping of option names to values, got {type(values).__name__}")
+    fields_ = {f.name for f in dataclasses.fields(Config)}
+    out = {str(k).lstrip("-").replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(out) - fields_)
+    if unknown:
+        p.error(f"-c {path}: unknown option(s) {unknown}; see --help")
+    for k, v in out.items():
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            p.error(f"-c {path}: {k} must be a single value, got {v!r}")
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
-    """The command line, one option per ``Config`` field, its help from the field's metadata."""
+    """The command line, one option per ``Config`` field, its help from the field's metadata;
+    timm's names are aliases where the meaning is the same (``--output``, ``--clip-grad``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Options left unset take the model family's recipe (vitattn.train.RECIPES).")
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
+    p.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
+                   help="print the presets (matching PATTERN, e.g. 'vit_*') with their size and purpose, and exit")
     for f in dataclasses.fields(Config):
-        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        flags, help_ = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             kind = int if "int" in f.type else float if "float" in f.type else str
-            p.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                            metavar=None if "choices" in f.metadata else f.name.upper(),
                            help=f"{help_} (default: {f.default})")
+    first, _ = p.parse_known_args(argv)
+    if first.list_models is not None:
+        print(list_presets(first.list_models))
+        p.exit(0)
+    if first.config:
+        p.set_defaults(**config_file_defaults(p, first.config))
     args = vars(p.parse_args(argv))
+    del args["config"], args["list_models"]
     if args["resume"]:  # a resumed run keeps its options; silently ignoring new ones would be wrong work
         changed = sorted(k for k, v in args.items() if k not in ("resume", "progress")
                          and v != Config.__dataclass_fields__[k].default)

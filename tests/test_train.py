@@ -723,3 +723,23 @@ def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(
     assert table.returncode == 0 and "| ViT | blocks.5 |" in table.stdout and "attention entropy (nats)" in table.stdout
     bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
+    cfg = T.parse_args(["--output", str(tmp_path / "o"), "--clip-grad", "2"])
+    assert (cfg.out, cfg.grad_clip) == (str(tmp_path / "o"), 2.0)  # timm's names for --out, --grad-clip
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 0.01\n--epochs: 2\nmodel: cnn\n")
+    cfg = T.parse_args(["-c", str(f), "--epochs", "3"])  # the file gives defaults, the command line wins
+    assert (cfg.lr, cfg.epochs, cfg.model) == (0.01, 3.0, "cnn")
+    for text, message in (("colour: red\n", "unknown option(s) ['colour']"), ("epochs: [1, 2]\n", "single value"),
+                          ("lr: [oops\n", "cannot read it as YAML")):
+        f.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            T.parse_args(["-c", str(f)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--list-models", "cnn_*"])
+    listing = capsys.readouterr().out
+    assert e.value.code == 0 and "cnn_cifar_whiten" in listing and "vit_" not in listing
+    assert "[default for cifar10]" in listing and "1.16M" in listing

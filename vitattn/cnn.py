@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from .data import CIFAR10_MEAN, CIFAR10_STD
 from .helpers import check_bool, check_float, check_input_dtype, check_int, feature_take_indices
 from .init import whitening_basis
 
@@ -133,6 +135,10 @@ class SmallCNN(nn.Module):
         self.config = c = config
         self.num_classes = c.num_classes
         self.num_features = c.widths[-1]
+        self.grad_checkpointing = False
+        self.pretrained_cfg = dict(input_size=(c.in_chans, 32, 32), mean=CIFAR10_MEAN, std=CIFAR10_STD,
+                                   num_classes=c.num_classes, interpolation="bilinear", crop_pct=1.0,
+                                   first_conv="stem.0", classifier="head")
         opts = dict(bn_weight=c.bn_weight, dirac_init=c.dirac_init, bn_momentum=c.bn_momentum, bn_eps=c.bn_eps)
         if c.stem == "whiten":  # set from data by init_stem; the weights stay fixed, the bias learns
             whiten = nn.Conv2d(c.in_chans, c.stem_width, 2, bias=True)
@@ -168,8 +174,26 @@ class SmallCNN(nn.Module):
         check_input_dtype(x, self.stem[0].weight)
         x = self.stem(x)
         for stage in self.stages:
-            x = stage(x)
+            x = checkpoint(stage, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() \
+                else stage(x)
         return x
+
+    # -- timm's hooks ------------------------------------------------------------------------
+    def no_weight_decay(self) -> set[str]:
+        return set()  # biases and BatchNorm are 1-D: timm's factory leaves them out already
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        return dict(stem=r"^stem", blocks=r"^stages\.(\d+)" if coarse else r"^stages\.(\d+)\.(\d+)")
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    @property
+    def default_cfg(self) -> dict[str, Any]:
+        return self.pretrained_cfg
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``(B, C, h, w) -> (B, num_classes)``: global max- or average-pool, dropout, linear."""
@@ -189,5 +213,5 @@ class SmallCNN(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         check_int("num_classes", num_classes, low=0)
-        self.num_classes = num_classes
+        self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
         self.head = nn.Linear(self.num_features, num_classes, bias=False) if num_classes > 0 else nn.Identity()

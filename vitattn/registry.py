@@ -13,6 +13,7 @@ from torch import nn
 
 from .bof import BagOfFeaturesConfig, BagOfLocalFeatures
 from .cnn import CNNConfig, SmallCNN
+from .data import CIFAR10_MEAN, CIFAR10_STD
 from .vit import ViT, ViTConfig
 
 _AIRBENCH = dict(head_scale=1 / 9, bn_weight=False, dirac_init=True)
@@ -110,5 +111,7 @@ def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
 def create_model(name: str, **overrides: Any) -> nn.Module:
     """Build a preset, e.g. ``create_model('vit_tiny_patch16_224', num_classes=10)``."""
     cfg = get_config(name, **overrides)
-    model_cls = _FAMILIES[PRESETS[name][0]][0]
-    return model_cls(cfg)
+    model = _FAMILIES[PRESETS[name][0]][0](cfg)
+    if isinstance(model, ViT) and PRESETS[name][1].get("img_size") == 32:  # the CIFAR presets' data
+        model.pretrained_cfg.update(mean=CIFAR10_MEAN, std=CIFAR10_STD, interpolation="bilinear", crop_pct=1.0)
+    return model

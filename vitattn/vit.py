@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from einops import rearrange, repeat
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import SCORES
 from .block import Block
@@ -132,6 +133,11 @@ class ViT(nn.Module):
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
         self.embed_dim = self.num_features = c.embed_dim
+        self.grad_checkpointing = False
+        # what timm's data tools read (resolve_data_config); the registry sets a preset's own data
+        self.pretrained_cfg = dict(input_size=(c.in_chans, *to_2tuple(c.img_size)), mean=(0.5, 0.5, 0.5),
+                                   std=(0.5, 0.5, 0.5), num_classes=c.num_classes, interpolation="bicubic",
+                                   crop_pct=0.9, first_conv="patch_embed.proj", classifier="head")
         self.num_prefix_tokens = 1 if c.class_token else 0
         self.dynamic_img_size = c.dynamic_img_size
         use_fc_norm = c.global_pool in ("avg", "avgmax", "max") if c.fc_norm is None else c.fc_norm
@@ -263,14 +269,41 @@ class ViT(nn.Module):
             x = x + pos
         return self.pos_drop(x), grid
 
+    # -- timm's hooks: its optimizer factory, layer-wise lr decay, data config, checkpointing ---
+    def no_weight_decay(self) -> set[str]:
+        """Parameters timm's ``create_optimizer_v2`` keeps out of weight decay (besides 1-D ones)."""
+        return {n for n in ("pos_embed", "cls_token") if getattr(self, n, None) is not None}
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups by depth for layer-wise lr decay: the embedding first, then each block."""
+        return dict(stem=r"^cls_token|^pos_embed|^patch_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    @property
+    def default_cfg(self) -> dict[str, Any]:  # timm's older name
+        return self.pretrained_cfg
+
     # -- timm's interface -------------------------------------------------------------------
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, P + N, D)``, after the final norm."""
         x, grid = self.embed(x)
         rope = self.rope_for(grid, x)
         for blk in self.blocks:
-            x = blk(x, grid, self.num_prefix_tokens, rope=rope)
+            x = self.run_block(blk, x, grid, rope)
         return self.norm(x)
+
+    def run_block(self, blk: nn.Module, x: torch.Tensor, grid: tuple[int, int], rope) -> torch.Tensor:
+        """One block; with gradient checkpointing its activations are recomputed in the backward
+        pass instead of kept (less memory, one more forward)."""
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(blk, x, grid, self.num_prefix_tokens, rope=rope, use_reentrant=False)
+        return blk(x, grid, self.num_prefix_tokens, rope=rope)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, P + N, D) -> (B, D)``: the class token, or the mean / max / (mean + max) / 2 of
@@ -304,7 +337,7 @@ class ViT(nn.Module):
         x, grid = self.embed(x)
         rope = self.rope_for(grid, x)
         for blk in self.blocks[:-1]:
-            x = blk(x, grid, self.num_prefix_tokens, rope=rope)
+            x = self.run_block(blk, x, grid, rope)
         return self.forward_head(self.norm(self.blocks[-1].forward_first(x, self.num_prefix_tokens, rope)))
 
     def forward_intermediates(
@@ -367,7 +400,7 @@ class ViT(nn.Module):
             if global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None):
                 raise ValueError(f"global_pool {global_pool!r} is not available for this model")
             self.global_pool = global_pool
-        self.num_classes = num_classes
+        self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             nn.init.trunc_normal_(self.head.weight, std=0.02)
