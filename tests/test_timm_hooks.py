@@ -82,3 +82,67 @@ def test_grad_checkpointing_gives_equal_gradients_and_keeps_fewer_activations(na
     assert ckpt_bytes < plain_bytes / 2  # activations kept for the backward pass
     with torch.no_grad():  # no recomputation to arrange without gradients
         assert model(x).shape == (4, 10)
+
+
+# -- pretrained weights, timm's way -----------------------------------------------------------------
+def test_pretrained_weights_load_through_timm_from_a_local_file_and_match_timm(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    twin = timm.create_model("vit_tiny_patch16_224", pretrained=False).eval()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in twin.state_dict().items()}, str(path))
+    model = vitattn.create_model("vit_tiny_patch16_224", pretrained=True,
+                                 pretrained_cfg_overlay=dict(file=str(path))).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), rtol=1e-4, atol=1e-5)
+    assert model.pretrained_cfg["mean"] == twin.pretrained_cfg["mean"]
+    ten = vitattn.create_model("vit_tiny_patch16_224", pretrained=True, num_classes=10,
+                               pretrained_cfg_overlay=dict(file=str(path))).eval()
+    assert ten.head.out_features == 10  # a new head; the body is timm's
+    torch.testing.assert_close(ten.blocks[3].mlp.fc1.weight, twin.blocks[3].mlp.fc1.weight)
+
+
+def test_pretrained_offline_without_a_file_says_how_to_supply_one():
+    import subprocess
+    import sys
+
+    code = ("import vitattn\n"
+            "try:\n    vitattn.create_model('vit_tiny_patch16_224', pretrained=True)\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert "could not be loaded" in p.stdout and "pretrained_cfg_overlay=dict(file=" in p.stdout, p.stdout + p.stderr
+    with pytest.raises(ValueError, match="no pretrained weights for vit_cifar_patch4"):
+        vitattn.create_model("vit_cifar_patch4", pretrained=True)
+
+
+def test_checkpoint_path_loads_a_vitattn_checkpoint_strictly(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    source = vitattn.create_model("vit_cifar_small_patch4", num_classes=3)
+    save_file(source.state_dict(), str(tmp_path / "vit.safetensors"))
+    torch.save({"model": source.state_dict(), "optimizer": {}, "state": {}}, tmp_path / "vit.pt")
+    for f in ("vit.safetensors", "vit.pt"):
+        model = vitattn.create_model("vit_cifar_small_patch4", num_classes=3, checkpoint_path=str(tmp_path / f))
+        for k, v in source.state_dict().items():
+            assert torch.equal(model.state_dict()[k], v), (f, k)
+    with pytest.raises(ValueError, match="does not hold this model's weights"):
+        vitattn.create_model("vit_cifar_patch4", checkpoint_path=str(tmp_path / "vit.safetensors"))
+    with pytest.raises(ValueError, match="cannot read weights"):
+        vitattn.create_model("vit_cifar_small_patch4", checkpoint_path=str(tmp_path / "missing.pt"))
+
+
+@pytest.mark.parametrize("name, out_indices, channels, reduction", [
+    ("vit_cifar_small_patch4", 2, [128, 128], [4, 4]),
+    ("vit_tiny_patch16_224", (0, 5, 11), [192] * 3, [16] * 3),
+    ("cnn_cifar_small", None, [32, 96, 96], [2, 4, 8]),
+])
+def test_features_only_returns_the_maps_feature_info_describes(name, out_indices, channels, reduction):
+    model = vitattn.create_model(name, features_only=True, out_indices=out_indices)
+    size = model.pretrained_cfg["input_size"][-1]
+    maps = model(torch.randn(1, 3, size, size))
+    assert model.feature_info.channels() == channels and model.feature_info.reduction() == reduction
+    assert [m.shape[1] for m in maps] == channels and [size // m.shape[-1] for m in maps] == reduction

@@ -6,6 +6,7 @@ Each preset is a recipe: the model family, its config, and where the numbers com
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 from .bof import BagOfFeaturesConfig, BagOfLocalFeatures
 from .cnn import CNNConfig, SmallCNN
 from .data import CIFAR10_MEAN, CIFAR10_STD
+from .features import FeatureExtractor
 from .vit import ViT, ViTConfig
 
 _AIRBENCH = dict(head_scale=1 / 9, bn_weight=False, dirac_init=True)
@@ -108,10 +110,74 @@ def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
     return cfg_cls(**{**base, **overrides})
 
 
-def create_model(name: str, **overrides: Any) -> nn.Module:
-    """Build a preset, e.g. ``create_model('vit_tiny_patch16_224', num_classes=10)``."""
+# presets whose weights timm publishes under the same name
+TIMM_TWINS = ("vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224")
+
+
+def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay: dict | None = None,
+                 checkpoint_path: str | None = None, features_only: bool = False,
+                 out_indices: int | Sequence[int] | None = None, **overrides: Any) -> nn.Module:
+    """Build a preset, e.g. ``create_model('vit_tiny_patch16_224', num_classes=10)``, timm's way.
+
+    ``pretrained=True`` loads timm's weights for a preset with a timm twin through timm's own
+    loading (its hub cache when online; ``pretrained_cfg_overlay=dict(file=PATH)`` for a local
+    ``.safetensors`` / ``.pth`` / ``.npz``) and converts them; ``checkpoint_path`` loads a vitattn
+    checkpoint (``.safetensors``, or a ``.pt`` from ``train_cifar.py``) after building;
+    ``features_only=True`` returns a ``FeatureExtractor`` (the maps of ``out_indices``).
+    """
     cfg = get_config(name, **overrides)
-    model = _FAMILIES[PRESETS[name][0]][0](cfg)
-    if isinstance(model, ViT) and PRESETS[name][1].get("img_size") == 32:  # the CIFAR presets' data
-        model.pretrained_cfg.update(mean=CIFAR10_MEAN, std=CIFAR10_STD, interpolation="bilinear", crop_pct=1.0)
+    if pretrained:
+        model = _timm_pretrained(name, cfg, overrides, pretrained_cfg_overlay)
+    else:
+        model = _FAMILIES[PRESETS[name][0]][0](cfg)
+        if isinstance(model, ViT) and PRESETS[name][1].get("img_size") == 32:  # the CIFAR presets' data
+            model.pretrained_cfg.update(mean=CIFAR10_MEAN, std=CIFAR10_STD, interpolation="bilinear", crop_pct=1.0)
+    if checkpoint_path is not None:
+        load_checkpoint_weights(model, checkpoint_path)
+    return FeatureExtractor(model, out_indices) if features_only else model
+
+
+def _timm_pretrained(name: str, cfg: ViTConfig, overrides: dict[str, Any], overlay: dict | None) -> ViT:
+    if name not in TIMM_TWINS:
+        raise ValueError(f"no pretrained weights for {name}: timm publishes them for {', '.join(TIMM_TWINS)}; "
+                         "use checkpoint_path= for a vitattn checkpoint")
+    try:
+        import timm
+    except ImportError as e:
+        raise ImportError("pretrained=True loads through timm: pip install 'vitattn[timm]'") from e
+    from .timm_compat import from_timm, timm_kwargs
+
+    kwargs = {k: v for k, v in timm_kwargs(cfg).items() if k in overrides}  # what the caller changed
+    try:
+        twin = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    except Exception as e:  # offline, missing file, bad file: hub, OS and parsing errors of many types
+        raise RuntimeError(f"pretrained weights for {name} could not be loaded ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}). Offline, give timm a local file: "
+                           f"create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file='path/to/"
+                           "model.safetensors'))") from e
+    model = from_timm(twin)
+    model.pretrained_cfg.update({k: v for k, v in twin.pretrained_cfg.items()
+                                 if k in ("mean", "std", "interpolation", "crop_pct")})
     return model
+
+
+def load_checkpoint_weights(model: nn.Module, path: str) -> None:
+    """Weights from a ``.safetensors`` file, a ``train_cifar.py`` checkpoint (its ``model``) or a
+    plain state dict, loaded strictly: every name and shape must match."""
+    import torch
+
+    try:
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = state.get("model", state) if isinstance(state, dict) else state
+    except Exception as e:  # missing, truncated or foreign files fail in many ways
+        raise ValueError(f"checkpoint_path {path}: cannot read weights from it ({type(e).__name__}: {e})") from e
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint_path {path} does not hold this model's weights: "
+                         f"{str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else e}") from e
