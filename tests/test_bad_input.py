@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -26,19 +24,7 @@ import vitattn
 from vitattn.data import DataError, load_cifar
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_folder(tmp_path_factory.mktemp("data") / "cifar")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def refused(capsys, argv: list, message: str, out: Path | None = None) -> str:
@@ -196,26 +182,6 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
     with T.hold(Path(cfg.out), True):  # as the first resume does while it runs
         refused(capsys, ["--resume", cfg.out], "is in use by another process")
     assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
-
-
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, folder):
-    out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
-           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
-           "--no-progress", "--no-plots"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 60
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    text = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 143, text
-    assert "SIGTERM" in text and "--resume" in text and "Traceback" not in text
-    ck = torch.load(out / "checkpoints" / "cnn.pt", weights_only=True)
-    assert not ck["state"]["done"] and ck["state"]["global_step"] >= 3
 
 
 # -- the library --------------------------------------------------------------------------------

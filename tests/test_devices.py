@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_data import write_folder
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 import train_cifar as T
@@ -69,11 +68,6 @@ def stand_in(monkeypatch):
     keep_on_host(monkeypatch)
     with StandIn(allow_non_fake_inputs=True) as mode:
         yield mode
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_folder(tmp_path_factory.mktemp("data") / "cifar")
 
 
 def config(tmp_path: Path, folder: Path, **kw) -> T.Config:

@@ -44,19 +44,7 @@ def scores(rows: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in SCORE_KEYS) for r in rows]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny batches run fastest on one thread, and two threads on a busy 2-core machine spin-wait
-    (3x slower here); restore the setting for the other test modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_folder(tmp_path_factory.mktemp("data") / "cifar")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- pure pieces -----------------------------------------------------------------------------
@@ -461,7 +449,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
         assert torch.equal(v, resumed["modules"][family].state_dict()[k]), k
 
 
-def test_ctrl_c_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder, sig, code):
+    """Ctrl-C, and SIGTERM as kill, schedulers and containers send it: a checkpoint, 128 + signal."""
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
            "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
@@ -472,10 +462,10 @@ def test_ctrl_c_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder):
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert time.time() < deadline and proc.poll() is None, proc.communicate()[0]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     text = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130, text
-    assert "--resume" in text and "Traceback" not in text
+    assert proc.returncode == code, text
+    assert signal.Signals(sig).name in text and "--resume" in text and "Traceback" not in text
     ck = torch.load(out / "checkpoints" / "cnn.pt", weights_only=True)
     assert not ck["state"]["done"] and ck["state"]["global_step"] >= 3
 
