@@ -21,24 +21,17 @@ Touvron et al. 2021 (DeiT) for the ViT recipe.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-try:
-    import fcntl  # the run folder's lock; POSIX only
-except ImportError:  # pragma: no cover
-    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -47,6 +40,16 @@ from torch import nn
 
 import vitattn
 from vitattn import report
+from vitattn.cli import (
+    UsageError,
+    build_parser,
+    check_fields,
+    option,
+    parse_config,
+    resumed_config,
+    run_cli,
+    run_folder,
+)
 from vitattn.data import (
     PADDING_MODES,
     Augment,
@@ -72,18 +75,19 @@ from vitattn.train import (
     Lookahead,
     OptimizerChain,
     Recipe,
-    Signalled,
     StopFlag,
     all_reduce_,
     append_jsonl,
     autocast,
     average_buffers,
     build_optimizer,
+    check_checkpoint,
     count_params,
     environment,
     evaluate,
     flops_per_image,
     get_lr,
+    hold,
     load_checkpoint,
     model_ema,
     native_bf16,
@@ -101,14 +105,6 @@ from vitattn.train import (
 # =============================================================================================
 # 1. Configuration
 # =============================================================================================
-
-
-class UsageError(ValueError):
-    """A bad option or a run folder that cannot be used: exit status 2, nothing written."""
-
-
-def option(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
@@ -183,23 +179,7 @@ class Config:
     FRACTION = ("warmup", "momentum", "label_smoothing", "model_ema_decay", "lookahead_decay")  # in [0, 1)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
-            if v is not None and "choices" in f.metadata and v not in f.metadata["choices"]:
-                raise UsageError(f"{flag} must be one of {f.metadata['choices']}, got {v!r}")
-            if v == "" and f.name in ("out", "resume", "data_dir", "vit_preset", "cnn_preset"):
-                raise UsageError(f"{flag} needs a value, got an empty string")
-            if v is None or isinstance(v, bool | str):
-                continue
-            if "int" in f.type and not isinstance(v, int):
-                raise UsageError(f"{flag} must be a whole number, got {v!r}")
-            if v in (math.inf, -math.inf):
-                raise UsageError(f"{flag} must be a finite number, got {v!r}")
-            bad = ((f.name in self.POSITIVE and not v > 0) or (f.name in self.NON_NEGATIVE and not v >= 0)
-                   or (f.name in self.FRACTION and not 0 <= v < 1))
-            if bad:
-                want = "> 0" if f.name in self.POSITIVE else ">= 0" if f.name in self.NON_NEGATIVE else "in [0, 1)"
-                raise UsageError(f"{flag} must be {want}, got {v!r}")
+        check_fields(self)
         if self.bf16:
             if self.amp and self.amp_dtype != "bfloat16":
                 raise UsageError(f"--bf16 means --amp --amp-dtype bfloat16, got --amp-dtype {self.amp_dtype} with it")
@@ -721,22 +701,7 @@ def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: d
 # =============================================================================================
 
 
-def resumed_config(config: Config) -> Config:
-    """The saved config of the run folder ``config.resume``, checked; only ``progress`` may change."""
-    run = Path(config.resume)
-    if not run.is_dir():
-        raise UsageError(f"--resume {run}: no such run folder")
-    try:
-        saved = json.loads((run / "config.json").read_text())
-        if isinstance(saved, dict):  # runs from before the option was added drew on the texture
-            saved.setdefault("long_range_background", "texture")
-        return Config(**{**saved, "resume": str(run), "out": str(run), "progress": config.progress})
-    except FileNotFoundError:
-        raise UsageError(f"--resume {run}: no config.json there; expected a folder written by train_cifar.py") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"--resume {run}: config.json is not valid JSON ({e}); nothing was changed") from None
-    except (TypeError, UsageError) as e:
-        raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
+OLD_RUN_VALUES = {"long_range_background": "texture"}  # runs from before the option drew on the texture
 
 
 def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
@@ -748,44 +713,7 @@ def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
         raise UsageError(str(e)) from None
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    out = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--out {out} is not a new or empty folder; continue a run there with --resume {out} "
-                         "or choose another --out")
-    parent = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {out} cannot be created: {parent} is not a writable folder")
-    return dd, dev, out
-
-
-@contextlib.contextmanager
-def hold(out: Path, main_rank: bool):
-    """Hold the run folder for this process (a lock on the folder itself: nothing is written), so
-    a second ``--resume`` of it is refused while this one runs; the lock ends with the process."""
-    if not main_rank or fcntl is None:
-        yield
-        return
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"{out} is in use by another process running it; wait for it to end or stop it "
-                             "first") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> None:
-    """A checkpoint must hold this run's model: same family, same weights' names and shapes."""
-    ours, theirs = model.state_dict(), ck["model"]
-    wrong = [k for k in ours if k not in theirs or tuple(theirs[k].shape) != tuple(ours[k].shape)]
-    wrong += [k for k in theirs if k not in ours]
-    if ck.get("family", family) != family or wrong:
-        raise CheckpointError(f"checkpoint {path} does not hold this run's {family} model (a {ck.get('family')} "
-                              f"checkpoint; {len(wrong)} weights differ in name or shape, e.g. {wrong[:3]}); it was "
-                              "left untouched")
+    return dd, dev, run_folder(cfg.out, cfg.resume)
 
 
 def main(config: Config) -> dict:
@@ -794,7 +722,8 @@ def main(config: Config) -> dict:
     options, data or run folders raise UsageError / DataError / CheckpointError before anything
     is written."""
     t0 = time.perf_counter()
-    cfg = resumed_config(config) if config.resume else config
+    cfg = resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
+                         missing=OLD_RUN_VALUES) if config.resume else config
     dd, dev, out = place_run(cfg)
     log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:
@@ -870,99 +799,24 @@ def list_presets(pattern: str) -> str:
     return "\n".join(rows) or f"no preset matches {pattern!r}"
 
 
-def config_file_defaults(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values, which become
-    the defaults that the command line overrides (timm's train.py does the same)."""
-    import yaml
-
-    try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        p.error(f"-c {path}: cannot read it as YAML ({str(e).splitlines()[0]})")
-    if not isinstance(values, dict):
-        p.error(f"-c {path}: expected a mapping of option names to values, got {type(values).__name__}")
-    fields_ = {f.name for f in dataclasses.fields(Config)}
-    out = {str(k).lstrip("-").replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(out) - fields_)
-    if unknown:
-        p.error(f"-c {path}: unknown option(s) {unknown}; see --help")
-    for k, v in out.items():
-        if v is not None and not isinstance(v, (bool, int, float, str)):
-            p.error(f"-c {path}: {k} must be a single value, got {v!r}")
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line, one option per ``Config`` field, its help from the field's metadata;
     timm's names are aliases where the meaning is the same (``--output``, ``--clip-grad``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Options left unset take the model family's recipe (vitattn.train.RECIPES).")
-    p.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
+    p = build_parser(Config, __doc__.split("\n\n")[0],
+                     epilog="Options left unset take the model family's recipe (vitattn.train.RECIPES).")
     p.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
                    help="print the presets (matching PATTERN, e.g. 'vit_*') with their size and purpose, and exit")
-    for f in dataclasses.fields(Config):
-        flags, help_ = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
-        if f.type == "bool":
-            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            kind = int if "int" in f.type else float if "float" in f.type else str
-            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                           metavar=None if "choices" in f.metadata else f.name.upper(),
-                           help=f"{help_} (default: {f.default})")
     first, _ = p.parse_known_args(argv)
     if first.list_models is not None:
         print(list_presets(first.list_models))
         p.exit(0)
-    if first.config:
-        p.set_defaults(**config_file_defaults(p, first.config))
-    args = vars(p.parse_args(argv))
-    del args["config"], args["list_models"]
-    if args["resume"]:  # a resumed run keeps its options; silently ignoring new ones would be wrong work
-        changed = sorted(k for k, v in args.items() if k not in ("resume", "progress")
-                         and v != Config.__dataclass_fields__[k].default)
-        if changed:
-            p.error(f"--resume continues a run with the options it was started with; drop "
-                    f"{', '.join('--' + k.replace('_', '-') for k in changed)}")
-    try:
-        return Config(**args)
-    except UsageError as e:
-        p.error(str(e))
-
-
-def _stop_before_training(signum, frame):
-    raise Signalled(signum)
+    return parse_config(p, Config, argv, keep_on_resume=("progress",))
 
 
 def cli(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal (130 for Ctrl-C,
     143 for SIGTERM) when stopped, with a resumable checkpoint once training has begun."""
-    cfg = parse_args(argv)
-    old = signal.signal(signal.SIGTERM, _stop_before_training)  # the default ends the process without a word
-    try:
-        summary = main(cfg)
-    except (UsageError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Signalled as e:
-        print(f"stopped by {signal.Signals(e.signum).name}: before training began, or sent twice; the last "
-              "checkpoint (if any) is kept", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("stopped by SIGINT before training began; nothing to resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # a failure mid-run: one line, the checkpoints as they were (VITATTN_TRACEBACK=1 shows it)
-        if os.environ.get("VITATTN_TRACEBACK"):
-            raise
-        out = cfg.resume or cfg.out
-        where = f"; the last good checkpoint is kept: python train_cifar.py --resume {out}" if out else ""
-        print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
-              file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    if summary["status"] == "interrupted":
-        return 128 + summary["signal"]
-    return {"ok": 0, "nan": 1}[summary["status"]]
+    return run_cli(main, parse_args(argv), "train_cifar.py", (UsageError, DataError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,16 @@
 """Detect shapes on texture: a ViTDet backbone against a ResNet-18 one, same detector, same budget.
 
-The data set is drawn on the fly, so nothing is downloaded: each 128x128 image is a textured
-background (`vitattn.longrange.textured_background`: colour blobs, stripes and noise) with 2-5
-filled shapes of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little.
-The training stream never repeats; the held-out split is a fixed set of images from another seed.
+The data set is drawn here, so nothing is downloaded: each 128x128 image is a textured background
+(`vitattn.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
+of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little. It is written as a
+COCO-format folder (``<work-dir>/shapes``: PNGs and ``annotations/instances_{train,val}.json``)
+and each backbone trains on it through ``examples/train_detection.py``, the script for a user's
+own COCO folder, with the same detector (FCOS), pyramid strides (8, 16, 32), width, optimiser
+and *wall-clock* budget of training steps (loading and evaluation outside it). Metrics: COCO box
+AP from pycocotools, per epoch, in each run folder.
 
-Both backbones feed the same torchvision detector (FCOS by default, or Faster R-CNN) built by
-``vitattn.detection.build_detector`` with the same pyramid strides (4, 8, 16, 32), width, anchors
-and optimiser, and each trains for the same *wall-clock* budget of training steps (forward,
-backward, update; the learning-rate schedule runs on the fraction of the budget spent, so both
-end their schedule). Drawing the data and the evaluation are outside the budget. Metrics: COCO
-mAP (IoU 0.50:0.95) and mAP@0.5 with ``vitattn.detection.coco_map``.
-
-    python examples/detect_shapes.py                 # ~14 min on 2 cores
-    python examples/detect_shapes.py --budget 20 --val-images 16 --no-figure      # smoke run
+    python examples/detect_shapes.py                 # ~17 min on 2 cores
+    python examples/detect_shapes.py --train-images 64 --val-images 16 --budget 0.2 --no-figure   # smoke run
 
 Writes ``docs/results/detect_shapes.json`` (config, versions, hardware, results) and
 ``docs/img/detect_shapes.png`` (held-out images with both models' boxes).
@@ -28,52 +25,56 @@ import argparse
 import functools
 import io
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 from torchvision.ops import box_iou
+from train_detection import Config as RunConfig  # the sibling script: python puts examples/ on the path
+from train_detection import main as train_run
 
-import vitattn
-from vitattn.detection import ViTDetBackbone, build_detector, coco_map, train_detector
 from vitattn.longrange import textured_background
-from vitattn.train import count_params, environment
+from vitattn.train import environment
 
 ROOT = Path(__file__).resolve().parent.parent
-CLASSES = ("circle", "square", "triangle", "cross")  # labels 1..4; 0 is the background
+CLASSES = ("circle", "square", "triangle", "cross")  # category ids 1..4
 
 
 # -- hyperparameters --------------------------------------------------------------------------
 @dataclass
 class Config:
-    detector: str = "fcos"  # 'fcos' or 'fasterrcnn'
     backbones: tuple[str, ...] = ("vit", "resnet18")
-    budget_s: float = 380.0  # training wall-clock seconds per backbone
+    budget_min: float = 380 / 60  # training minutes per backbone
+    epochs: int = 100  # an upper bound: the budget ends the runs
     img_size: int = 128  # square images, pixels
     min_objects: int = 2
     max_objects: int = 5
     min_side: int = 12  # object size range, pixels
     max_side: int = 40
-    batch_size: int = 16
+    train_images: int = 12_000
     val_images: int = 200
+    batch_size: int = 16
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.05
-    warmup_frac: float = 0.05  # of the budget, linear warm-up; then cosine to zero
-    grad_clip: float = 1.0
+    warmup: float = 0.05  # of the run, linear warm-up; then cosine to zero
+    clip_grad: float = 1.0
     out_channels: int = 64  # pyramid width for both backbones
+    strides: tuple[int, ...] = (8, 16)  # plus the pooled 32
     # the ViT: patch 8 gives a 16x16 grid (objects span 1.5-5 patches, as small COCO objects do
-    # for ViTDet's patch 16 at 1024 px); branches x1, x0.5 and the pool level: strides 8, 16, 32
-    vit_patch: int = 8
-    vit_scales: tuple[float, ...] = (1.0, 0.5)
-    vit_dim: int = 128
-    vit_depth: int = 6
-    vit_heads: int = 4
-    vit_window: int | None = None  # the 16x16 grid is small: global attention is cheap here
-    vit_pos_embed: str = "learn"  # 'learn' (timm's default) or 'sincos2d' (fixed, MAE / SimpleViT)
+    # for ViTDet's patch 16 at 1024 px); pyramid branches x1 and x0.5 of its map
+    vit: tuple[tuple[str, object], ...] = (("img_size", 128), ("patch_size", 8), ("embed_dim", 128), ("depth", 6),
+                                           ("num_heads", 4), ("class_token", False), ("global_pool", "avg"))
     seed: int = 0
-    threads: int = 2
+
+    def run_config(self, backbone: str, data: Path, out: Path) -> RunConfig:
+        """The train_detection.py options of one backbone's run."""
+        model = (dict(model="vit_tiny_patch16_224", model_kwargs=json.dumps(dict(self.vit)))
+                 if backbone == "vit" else dict(model=backbone))
+        return RunConfig(data_dir=str(data), detector="fcos", **model, strides=self.strides,
+                         out_channels=self.out_channels, min_size=self.img_size, max_size=self.img_size, aug="none",
+                         epochs=self.epochs, time_budget=self.budget_min, batch_size=self.batch_size, lr=self.lr,
+                         weight_decay=self.weight_decay, warmup=self.warmup, clip_grad=self.clip_grad, workers=0,
+                         device="cpu", seed=self.seed, log_interval=100, out=str(out))
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -98,7 +99,8 @@ def shape_mask(kind: int, cy: float, cx: float, r: float, size: int) -> torch.Te
 
 
 def make_image(g: torch.Generator, c: Config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One image and its target ``{'boxes' (n, 4) x1 y1 x2 y2, 'labels' (n,)}``."""
+    """One image ``(3, size, size)`` in [0, 1] and its target ``{'boxes' (n, 4) x1 y1 x2 y2,
+    'labels' (n,) 1..4}``."""
     img = textured_background(1, c.img_size, g)[0] / 255
     n = int(torch.randint(c.min_objects, c.max_objects + 1, (1,), generator=g))
     boxes, labels = [], []
@@ -121,82 +123,54 @@ def make_image(g: torch.Generator, c: Config) -> tuple[torch.Tensor, dict[str, t
     return img.clamp(0, 1), target
 
 
-def make_batch(g: torch.Generator, c: Config, n: int):
-    images, targets = zip(*(make_image(g, c) for _ in range(n)))
-    return list(images), list(targets)
+def write_coco(root: Path, split: str, n: int, seed: int, c: Config) -> None:
+    """``n`` images as PNGs in ``root/split`` and their boxes in ``root/annotations/instances_<split>.json``."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    (root / split).mkdir(parents=True, exist_ok=True)
+    images, anns = [], []
+    for i in range(n):
+        img, target = make_image(g, c)
+        name = f"{i:06d}.png"
+        Image.fromarray((img * 255).round().byte().permute(1, 2, 0).numpy()).save(root / split / name)
+        images.append({"id": i, "file_name": name, "height": c.img_size, "width": c.img_size})
+        for (x1, y1, x2, y2), label in zip(target["boxes"].tolist(), target["labels"].tolist()):
+            anns.append({"id": len(anns) + 1, "image_id": i, "category_id": label, "bbox": [x1, y1, x2 - x1, y2 - y1],
+                         "area": (x2 - x1) * (y2 - y1), "iscrowd": 0})
+    (root / "annotations").mkdir(exist_ok=True)
+    cats = [{"id": k + 1, "name": name} for k, name in enumerate(CLASSES)]
+    (root / "annotations" / f"instances_{split}.json").write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": cats}))
 
 
-# -- models -----------------------------------------------------------------------------------
-class ResNetPyramid(nn.Module):
-    """torchvision's ResNet-18 trunk (random init, BatchNorm) with torchvision's FPN on layer2 and
-    layer3, strides 8 and 16, and a max-pooled 32: the same levels as the ViT pyramid below."""
-
-    def __init__(self, out_channels: int) -> None:
-        super().__init__()
-        from torchvision.models import resnet18
-        from torchvision.models.detection.backbone_utils import BackboneWithFPN
-        from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
-
-        self.body = BackboneWithFPN(resnet18(weights=None), {"layer2": "0", "layer3": "1"}, [128, 256],
-                                    out_channels, extra_blocks=LastLevelMaxPool())
-        self.out_channels = out_channels
-        self.strides = {"0": 8, "1": 16, "pool": 32}
-
-    def forward(self, x: torch.Tensor):
-        return self.body(x)
-
-
-def make_backbone(name: str, c: Config) -> nn.Module:
-    if name == "resnet18":
-        return ResNetPyramid(c.out_channels)
-    vit = vitattn.ViT(img_size=c.img_size, patch_size=c.vit_patch, embed_dim=c.vit_dim, depth=c.vit_depth,
-                      num_heads=c.vit_heads, num_classes=0, global_pool="avg", class_token=False,
-                      pos_embed=c.vit_pos_embed)
-    return ViTDetBackbone(vit, c.out_channels, scale_factors=c.vit_scales, window_size=c.vit_window)
-
-
-def make_detector(backbone: nn.Module, c: Config) -> nn.Module:
-    kw = dict(min_size=c.img_size, max_size=c.img_size, image_mean=[0.5] * 3, image_std=[0.25] * 3)
-    if c.detector == "fcos":
-        kw.update(score_thresh=0.05, detections_per_img=100)
-    else:
-        kw.update(box_score_thresh=0.05, box_detections_per_img=100, rpn_pre_nms_top_n_test=300,
-                  rpn_post_nms_top_n_test=300, box_batch_size_per_image=128)
-    return build_detector(c.detector, backbone, len(CLASSES) + 1, **kw)
-
-
-# -- training ---------------------------------------------------------------------------------
-def train(model: nn.Module, c: Config) -> dict:
-    g = torch.Generator().manual_seed(c.seed + 1)  # the same training stream for every backbone
-    stats = train_detector(model, lambda: make_batch(g, c, c.batch_size), budget_s=c.budget_s, lr=c.lr,
-                           weight_decay=c.weight_decay, warmup=c.warmup_frac, grad_clip=c.grad_clip)
-    return {**stats, "images_seen": stats["steps"] * c.batch_size}
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, val: tuple[list, list], c: Config) -> tuple[dict, list]:
-    model.eval()
-    images, targets = val
-    preds = []
-    for i in range(0, len(images), 32):
-        preds += model(images[i:i + 32])
-    return coco_map(preds, targets), preds
+def shapes_folder(work: Path, c: Config) -> Path:
+    """The data set as a COCO-format folder, written once per data config (its name says which)."""
+    key = json.dumps([c.img_size, c.min_objects, c.max_objects, c.min_side, c.max_side, c.train_images,
+                      c.val_images, c.seed])
+    root = work / "shapes"
+    if (root / "key.json").exists() and (root / "key.json").read_text() == key:
+        return root
+    write_coco(root, "train", c.train_images, c.seed + 1, c)
+    write_coco(root, "val", c.val_images, c.seed + 1000, c)  # another seed: held out
+    (root / "key.json").write_text(key)
+    return root
 
 
 # -- figure -----------------------------------------------------------------------------------
-def figure(val, preds_by_name: dict[str, list], path: Path, n: int = 5, thresh: float = 0.5) -> None:
+def figure(images: list, preds_by_name: dict[str, list], path: Path, thresh: float = 0.5) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(preds_by_name)
+    names, n = list(preds_by_name), len(images)
     fig, axes = plt.subplots(len(names), n, figsize=(1.9 * n, 2.0 * len(names)), squeeze=False)
     colours = ("tab:red", "tab:blue", "tab:green", "tab:orange")
     for r, name in enumerate(names):
         for i in range(n):
             ax = axes[r, i]
-            ax.imshow(val[0][i].permute(1, 2, 0).numpy())
+            ax.imshow(images[i].permute(1, 2, 0).numpy())
             ax.set_xticks([])
             ax.set_yticks([])
             p = preds_by_name[name][i]
@@ -227,32 +201,37 @@ def save_small_png(src, path: Path, colours: int = 128) -> None:
 
 
 # -- main -------------------------------------------------------------------------------------
-def main(c: Config, figure_path: Path | None = None, results_path: Path | None = None) -> dict:
-    torch.set_num_threads(c.threads)
-    val = make_batch(torch.Generator().manual_seed(c.seed + 1000), c, c.val_images)
-    results, preds_by_name = {}, {}
+@torch.no_grad()
+def predict(model, root: Path, n: int) -> tuple[list, list]:
+    """The first ``n`` val images and the model's detections on them."""
+    from PIL import Image
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    model.eval()
+    images = [pil_to_tensor(Image.open(root / "val" / f"{i:06d}.png")).float() / 255 for i in range(n)]
+    return images, model(images)
+
+
+def main(c: Config, work: Path, figure_path: Path | None = None, results_path: Path | None = None) -> dict:
+    root = shapes_folder(work, c)
+    results, preds_by_name, images = {}, {}, None
     for name in c.backbones:
-        torch.manual_seed(c.seed)
-        model = make_detector(make_backbone(name, c), c)
-        params = count_params(model.backbone)
-        print(f"{name}: {c.detector}, backbone {params / 1e6:.2f}M parameters, budget {c.budget_s:.0f}s", flush=True)
-        t0 = time.perf_counter()
-        stats = train(model, c)
-        t1 = time.perf_counter()
-        metrics, preds = evaluate(model, val, c)
-        stats.update(backbone_params=params, eval_s=time.perf_counter() - t1, wall_s=time.perf_counter() - t0,
-                     map=metrics["map"], map_50=metrics["map_50"], map_75=metrics["map_75"],
-                     ap_per_class={CLASSES[k - 1]: v for k, v in metrics["per_class"].items()})
-        print(f"{name}: {stats['steps']} steps, mAP {stats['map']:.3f}, mAP@0.5 {stats['map_50']:.3f}, "
-              f"loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f}", flush=True)
-        results[name] = stats
-        preds_by_name[name] = preds
-    report = {
-        "config": asdict(c), "results": results,
-        "env": environment(torch.device("cpu")),
-    }
+        out = work / "runs" / name
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)  # a fresh run each time: the budget is the experiment
+        summary = train_run(c.run_config(name, root, out))
+        if summary["status"] != "ok":
+            raise SystemExit(f"{name}: the run stopped ({summary['status']}); its folder is {out}")
+        print(f"{name}: {summary['state']['step']} steps, AP {summary['final']['map']:.3f}, "
+              f"AP50 {summary['final']['map_50']:.3f}", flush=True)
+        results[name] = {k: summary[k] for k in ("final", "state", "params", "images_per_s")}
+        results[name]["backbone_params"] = sum(p.numel() for p in summary["model"].backbone.parameters())
+        images, preds_by_name[name] = predict(summary["model"], root, 5)
+    report = {"config": asdict(c), "results": results, "env": environment(torch.device("cpu"))}
     if figure_path is not None:
-        figure(val, preds_by_name, figure_path)
+        figure(images, preds_by_name, figure_path)
     if results_path is not None:
         results_path.parent.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(report, indent=2))
@@ -261,15 +240,17 @@ def main(c: Config, figure_path: Path | None = None, results_path: Path | None =
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--detector", default=Config.detector, choices=["fcos", "fasterrcnn"])
-    ap.add_argument("--budget", type=float, default=Config.budget_s, help="training seconds per backbone")
+    ap.add_argument("--budget", type=float, default=Config.budget_min, help="training minutes per backbone")
+    ap.add_argument("--epochs", type=int, default=Config.epochs, help="at most this many epochs per backbone")
+    ap.add_argument("--train-images", type=int, default=Config.train_images)
     ap.add_argument("--val-images", type=int, default=Config.val_images)
     ap.add_argument("--backbones", nargs="+", default=list(Config.backbones), choices=["vit", "resnet18"])
-    ap.add_argument("--window", type=int, default=None, help="ViT window size (default: global attention)")
-    ap.add_argument("--pos-embed", default=Config.vit_pos_embed, choices=["learn", "sincos2d"])
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "detect_shapes",
+                    help="where the COCO folder and the runs go")
     ap.add_argument("--no-figure", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "detect_shapes.json")
+    ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "detect_shapes.json")
     a = ap.parse_args()
-    cfg = Config(detector=a.detector, budget_s=a.budget, val_images=a.val_images, backbones=tuple(a.backbones),
-                 vit_window=a.window, vit_pos_embed=a.pos_embed)
-    main(cfg, None if a.no_figure else ROOT / "docs" / "img" / "detect_shapes.png", a.out)
+    cfg = Config(budget_min=a.budget, epochs=a.epochs, train_images=a.train_images, val_images=a.val_images,
+                 backbones=tuple(a.backbones))
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    main(cfg, a.work_dir, None if a.no_figure else ROOT / "docs" / "img" / "detect_shapes.png", a.results)

@@ -16,7 +16,6 @@ from vitattn.detection import (
     build_detector,
     coco_map,
     set_window_attention,
-    train_detector,
     vitdet_window_blocks,
 )
 
@@ -199,17 +198,6 @@ def test_detector_train_step_and_eval(kind):
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
 
 
-def test_train_detector_lowers_the_loss_on_one_repeated_batch():
-    torch.manual_seed(0)
-    model = small_detector("fcos", tiny_vit(depth=2))
-    images, targets = batch()
-    stats = train_detector(model, lambda: (images, targets), budget_s=1e9, max_steps=9, lr=2e-3, log_every=3)
-    assert stats["steps"] == 9  # step-bounded, so the test does not depend on the machine's speed
-    assert stats["loss_last"] < stats["loss_first"]  # it learns the batch
-    with pytest.raises(ValueError, match="budget_s must be > 0"):
-        train_detector(model, lambda: (images, targets), budget_s=0)
-
-
 class TwoLevels(torch.nn.Module):
     """A stand-in for any other backbone: what build_detector reads is out_channels and strides."""
 
@@ -269,7 +257,19 @@ def test_ap_perfect_and_empty():
     r = coco_map(p, t)
     assert r["map"] == pytest.approx(1.0) and r["map_50"] == pytest.approx(1.0)
     r = coco_map([det([], [], [])], t)
-    assert r["map"] == 0.0
+    assert r["map"] == 0.0 and r["map_small"] == 0.0
+
+
+def test_ap_by_object_size_follows_cocos_area_ranges():
+    # a small (10x10 = 100 px^2), a medium (40x40) and a large (100x100) object of one class;
+    # the detector finds the small and the large one: AP small 1, medium 0, large 1.
+    t = [gt([[0, 0, 10, 10], [20, 20, 60, 60], [100, 100, 200, 200]], [1, 1, 1])]
+    p = [det([[0, 0, 10, 10], [100, 100, 200, 200]], [0.9, 0.8], [1, 1])]
+    r = coco_map(p, t)
+    assert (r["map_small"], r["map_medium"], r["map_large"]) == (pytest.approx(1.0), 0.0, pytest.approx(1.0))
+    # no ground truth in a range reads -1, as pycocotools' summary does
+    r = coco_map([det([[0, 0, 10, 10]], [0.9], [1])], [gt([[0, 0, 10, 10]], [1])])
+    assert r["map_small"] == pytest.approx(1.0) and r["map_medium"] == r["map_large"] == -1.0
 
 
 def test_ap_hand_computed_ranking():

@@ -17,7 +17,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"PIL": "pillow"}
+DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml"}
 
 
 def test_licence_type_marker_and_one_version():

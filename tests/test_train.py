@@ -395,7 +395,8 @@ def test_a_run_from_before_the_background_option_resumes_on_its_texture(tmp_path
     saved = {k: v for k, v in dataclasses.asdict(T.Config(dataset="long-range", out=str(out))).items()
              if k != "long_range_background"}
     (out / "config.json").write_text(json.dumps(saved))
-    assert T.resumed_config(T.Config(resume=str(out))).long_range_background == "texture"
+    cfg = T.resumed_config(T.Config, str(out), "train_cifar.py", missing=T.OLD_RUN_VALUES)
+    assert cfg.long_range_background == "texture"
 
 
 def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
@@ -553,7 +554,7 @@ BAD_OPTIONS = [
     (["--optimizer", "muon"], "use it with --model vit, got --model both"),
     (["--batch-size", "0"], "--batch-size must be > 0"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--lr", "nan"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
     (["--epochs", "0"], "--epochs must be > 0"),
     (["--time-budget", "-3"], "--time-budget must be > 0"),
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),

@@ -26,9 +26,11 @@ torchvision ``models/detection``; COCO evaluation, pycocotools ``cocoeval.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -303,122 +305,91 @@ def build_detector(
                     mask_roi_pool=mask_pool, **detector_kwargs)
 
 
-# -- training ---------------------------------------------------------------------------------
-def train_detector(
-    model: nn.Module,
-    next_batch: Callable[[], tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]],
-    *,
-    budget_s: float,
-    max_steps: int | None = None,
-    lr: float = 1e-3,
-    weight_decay: float = 0.05,
-    warmup: float = 0.05,
-    grad_clip: float = 1.0,
-    log_every: int = 25,
-) -> dict[str, Any]:
-    """Train a torchvision detector for ``budget_s`` seconds of training steps (or ``max_steps``
-    steps, if that comes first; the schedule then runs on the larger of the two fractions).
-
-    ``next_batch()`` returns ``(images, targets)`` in torchvision's format; drawing it is outside
-    the budget (a loader would overlap it). AdamW on :func:`vitattn.train.param_groups`, the lr
-    warmed up linearly then cosine to 0 over the fraction of the budget spent
-    (:func:`vitattn.train.get_lr`), gradients clipped to ``grad_clip``. Returns steps, seconds and
-    the mean loss of the first and last ``log_every`` steps.
-    """
-    import time
-
-    from .train import get_lr, param_groups
-
-    if budget_s <= 0 or (max_steps is not None and max_steps < 1):
-        raise ValueError(f"budget_s must be > 0 and max_steps >= 1, got {budget_s} and {max_steps}")
-    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
-    model.train()
-    history, spent = [], 0.0
-
-    def progress() -> float:
-        return max(spent / budget_s, len(history) / max_steps if max_steps else 0.0)
-
-    while progress() < 1.0:
-        images, targets = next_batch()
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = get_lr(progress(), lr, warmup, "cosine")
-        losses = model(images, targets)
-        loss = sum(losses.values())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        spent += time.perf_counter() - t0
-        history.append(float(loss.detach()))
-        if len(history) % log_every == 0:
-            print(f"  step {len(history):4d}  {spent:6.0f}s  loss {sum(history[-log_every:]) / log_every:.3f}  "
-                  + "  ".join(f"{k} {float(v.detach()):.3f}" for k, v in losses.items()), flush=True)
-    n = min(log_every, len(history))
-    return {"steps": len(history), "train_s": spent, "loss_first": sum(history[:n]) / n,
-            "loss_last": sum(history[-n:]) / n}
-
-
 # -- evaluation -------------------------------------------------------------------------------
+AP_NAMES = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[0:6]
+
+
+def coco_eval(gt: Any, detections: list[dict[str, Any]], image_ids: Sequence[int] | None = None,
+              max_dets: int = 100) -> dict[str, Any]:
+    """pycocotools' box evaluation of ``detections`` (COCO result dicts: ``image_id``,
+    ``category_id``, ``bbox`` as x, y, w, h, ``score``) against ``gt``, a ``pycocotools.coco.COCO``,
+    on ``image_ids`` (default: all of ``gt``'s images).
+
+    Returns ``AP_NAMES`` as COCO defines them (``map``: IoU 0.50:0.05:0.95; ``map_50``, ``map_75``;
+    ``map_small`` / ``map_medium`` / ``map_large``: objects under 32^2, up to 96^2 and above 96^2
+    pixels; -1 where no ground truth falls in the range) and ``per_class``: each category's AP
+    over the IoU thresholds, for categories with ground truth. Crowd boxes and areas are read as
+    ``gt`` gives them. No detections at all is AP 0 (pycocotools cannot load an empty list).
+    """
+    from pycocotools.cocoeval import COCOeval
+
+    ids = sorted(gt.getImgIds() if image_ids is None else image_ids)
+    has_gt = sorted({a["category_id"] for a in gt.loadAnns(gt.getAnnIds(imgIds=ids, iscrowd=False))})
+    if not detections:
+        return {**dict.fromkeys(AP_NAMES, 0.0), "per_class": dict.fromkeys(has_gt, 0.0)}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+        ev = COCOeval(gt, gt.loadRes(list(detections)), iouType="bbox")
+        ev.params.imgIds = ids
+        ev.params.maxDets = [1, 10, max_dets]
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    prec = torch.as_tensor(ev.eval["precision"][:, :, :, 0, -1])  # (IoU thresholds, recall points, classes), all areas
+    cats = list(ev.params.catIds)
+
+    def mean(p: torch.Tensor) -> float:
+        return float(p[p > -1].mean()) if (p > -1).any() else -1.0
+
+    return {**{name: float(v) for name, v in zip(AP_NAMES, ev.stats[:6])},
+            "per_class": {c: mean(prec[:, :, cats.index(c)]) for c in has_gt}}
+
+
 def coco_map(
     predictions: Sequence[dict[str, torch.Tensor]],
     targets: Sequence[dict[str, torch.Tensor]],
     max_dets: int = 100,
 ) -> dict[str, Any]:
-    """COCO box mAP by pycocotools' ``COCOeval``: IoU 0.50:0.05:0.95 (``'map'``), 0.5 and 0.75,
-    all object sizes, at most ``max_dets`` detections per image and class.
+    """COCO box mAP of torchvision-format detections by :func:`coco_eval`.
 
     ``predictions[i]`` has ``boxes`` ``(n, 4)`` in ``x1 y1 x2 y2``, ``scores``, ``labels``;
-    ``targets[i]`` has ``boxes`` and ``labels`` (torchvision's detector format). AP is averaged
-    over the classes that have ground truth; ``'per_class'`` gives each over the thresholds.
-    Needs pycocotools (``pip install 'vitattn[detection]'``).
+    ``targets[i]`` has ``boxes`` and ``labels`` (torchvision's detector format); an object's area
+    is its box's. Returns ``AP_NAMES`` and ``per_class``, averaged over the classes that have
+    ground truth. Needs pycocotools (``pip install 'vitattn[detection]'``).
     """
     try:
         from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("coco_map needs pycocotools: pip install 'vitattn[detection]'") from e
-    import contextlib
-    import io
 
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
-    classes = sorted({int(c) for t in targets for c in t["labels"].tolist()})
-    if not classes:
+    if not any(len(t["labels"]) for t in targets):
         raise ValueError("the targets hold no ground-truth boxes")
-
-    def xywh(boxes: torch.Tensor) -> list[list[float]]:
-        b = boxes.detach().double().cpu().reshape(-1, 4)
-        return torch.cat([b[:, :2], b[:, 2:] - b[:, :2]], 1).tolist()
-
     images, gts, dets = [], [], []
     for i, (pred, tgt) in enumerate(zip(predictions, targets)):
         images.append({"id": i})
         for box, label in zip(xywh(tgt["boxes"]), tgt["labels"].tolist()):
             gts.append({"id": len(gts) + 1, "image_id": i, "category_id": int(label), "bbox": box,
                         "area": box[2] * box[3], "iscrowd": 0})
-        for box, score, label in zip(xywh(pred["boxes"]), pred["scores"].tolist(), pred["labels"].tolist()):
-            dets.append({"image_id": i, "category_id": int(label), "bbox": box, "score": float(score)})
-    cats = sorted(set(classes) | {d["category_id"] for d in dets})
-    if not dets:  # pycocotools cannot load an empty result list; nothing detected is AP 0
-        return {"map": 0.0, "map_50": 0.0, "map_75": 0.0, "per_class": dict.fromkeys(classes, 0.0)}
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+        dets += coco_results(i, pred)
+    cats = sorted({a["category_id"] for a in gts} | {d["category_id"] for d in dets})
+    with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
         gt.dataset = {"images": images, "annotations": gts, "categories": [{"id": c} for c in cats]}
         gt.createIndex()
-        ev = COCOeval(gt, gt.loadRes(dets), iouType="bbox")
-        ev.params.maxDets = [max_dets]
-        ev.params.areaRng, ev.params.areaRngLbl = [ev.params.areaRng[0]], ["all"]
-        ev.evaluate()
-        ev.accumulate()
-    prec = torch.as_tensor(ev.eval["precision"][:, :, :, 0, 0])  # (IoU thresholds, recall points, classes)
-    keep = [cats.index(c) for c in classes]  # classes with ground truth
-    prec = prec[:, :, keep]
+    return coco_eval(gt, dets, max_dets=max_dets)
 
-    def mean(p: torch.Tensor) -> float:
-        return float(p[p > -1].mean()) if (p > -1).any() else float("nan")
 
-    ious = ev.params.iouThrs.tolist()
-    return {"map": mean(prec), "map_50": mean(prec[ious.index(0.5)]),
-            "map_75": mean(prec[min(range(len(ious)), key=lambda j: abs(ious[j] - 0.75))]),
-            "per_class": {c: mean(prec[:, :, k]) for k, c in enumerate(classes)}}
+def xywh(boxes: torch.Tensor) -> list[list[float]]:
+    """``(n, 4)`` boxes ``x1 y1 x2 y2`` as COCO's ``[x, y, w, h]`` lists."""
+    b = boxes.detach().double().cpu().reshape(-1, 4)
+    return torch.cat([b[:, :2], b[:, 2:] - b[:, :2]], 1).tolist()
+
+
+def coco_results(image_id: int, pred: dict[str, torch.Tensor], category_ids: Sequence[int] | None = None) -> list[dict]:
+    """One image's torchvision detections as COCO result dicts; ``category_ids[label]`` maps the
+    detector's labels back to the annotation file's ids (default: the labels are the ids)."""
+    labels = pred["labels"].long().tolist()
+    return [{"image_id": int(image_id), "category_id": int(category_ids[c] if category_ids is not None else c),
+             "bbox": box, "score": float(s)}
+            for box, s, c in zip(xywh(pred["boxes"]), pred["scores"].float().tolist(), labels)]

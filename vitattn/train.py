@@ -25,10 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl  # the run folder's lock; POSIX only
+except ImportError:  # pragma: no cover
+    fcntl = None
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from .cli import Signalled
 
 # ---------------------------------------------------------------------------------------------
 # Recipes: how each model family trains by default
@@ -491,6 +498,36 @@ def load_checkpoint(path: Path) -> dict:
     return ck
 
 
+@contextlib.contextmanager
+def hold(out: Path, main_rank: bool):
+    """Hold the run folder for this process (a lock on the folder itself: nothing is written), so
+    a second ``--resume`` of it is refused while this one runs; the lock ends with the process."""
+    if not main_rank or fcntl is None:
+        yield
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(f"{out} is in use by another process running it; wait for it to end or stop "
+                                  "it first") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> None:
+    """A checkpoint must hold this run's model: same family, same weights' names and shapes."""
+    ours, theirs = model.state_dict(), ck["model"]
+    wrong = [k for k in ours if k not in theirs or tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    wrong += [k for k in theirs if k not in ours]
+    if ck.get("family", family) != family or wrong:
+        raise CheckpointError(f"checkpoint {path} does not hold this run's {family} model (a {ck.get('family')} "
+                              f"checkpoint; {len(wrong)} weights differ in name or shape, e.g. {wrong[:3]}); it was "
+                              "left untouched")
+
+
 def save_safetensors(model: nn.Module, path: Path) -> None:
     """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
     from safetensors.torch import save_file
@@ -520,14 +557,6 @@ def read_jsonl(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # Ctrl-C, devices, processes
 # ---------------------------------------------------------------------------------------------
-
-
-class Signalled(KeyboardInterrupt):
-    """A stop signal where no checkpoint can be saved first (a second signal, or one before training)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill, schedulers and containers send

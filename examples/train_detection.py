@@ -1,0 +1,516 @@
+"""Train and evaluate a torchvision detector with a vitattn backbone on a COCO-format folder.
+
+    python examples/train_detection.py --data-dir DIR --model vit_small_patch16_224 --pretrained
+    python examples/train_detection.py --data-dir DIR --detector fcos --time-budget 30 --amp
+    python examples/train_detection.py --resume runs/detection-20261203-140000
+
+``DIR`` has COCO's layout: ``annotations/instances_<split>.json`` and the images of each split in
+``<split>/`` (``--train-split train2017 --val-split val2017`` for COCO itself). The detector is any
+of ``vitattn.detection.DETECTORS``; the backbone any vitattn ViT preset (``--pretrained`` loads
+timm's weights through ``vitattn.create_model``; ``--initial-checkpoint`` a vitattn checkpoint) in
+ViTDet's simple feature pyramid, or torchvision's ResNet-18/34/50 with an FPN (random init) as the
+convolutional baseline. Both give the pyramid levels of ``--strides`` plus a pooled one.
+
+Each epoch ends with COCO box AP, AP50, AP75 and AP for small, medium and large objects from
+pycocotools on the val split, a line in ``metrics.jsonl`` and a checkpoint in ``--output``
+(default ``runs/detection-<timestamp>``). ``--time-budget`` minutes of training steps (loading and
+evaluation excluded) end the run early; the lr schedule runs on whichever of epochs and budget is
+further along, so it always finishes its decay. Ctrl-C or SIGTERM saves a checkpoint and exits
+130 / 143; ``--resume`` continues. One process, one device.
+
+``examples/detect_shapes.py`` writes its synthetic data as such a folder and runs through here.
+
+References: torchvision's ``references/detection`` (COCO loading, augmentation policies,
+evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight decay 0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import vitattn
+from vitattn.cli import (
+    UsageError,
+    build_parser,
+    check_fields,
+    option,
+    parse_config,
+    resumed_config,
+    run_cli,
+    run_folder,
+)
+from vitattn.detection import DETECTORS, SCALE_FACTORS, ViTDetBackbone, build_detector, coco_eval, coco_results
+from vitattn.train import (
+    AMP_DTYPES,
+    CheckpointError,
+    StopFlag,
+    append_jsonl,
+    autocast,
+    check_checkpoint,
+    count_params,
+    environment,
+    get_lr,
+    hold,
+    load_checkpoint,
+    param_groups,
+    pick_device,
+    read_jsonl,
+    rng_states,
+    save_atomic,
+    set_lr,
+    set_rng_states,
+    write_text_atomic,
+)
+
+RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
+AUGMENTATIONS = ("hflip", "ssd", "none")  # torchvision references' --data-augmentation policies
+
+# =============================================================================================
+# 1. Configuration
+# =============================================================================================
+
+
+@dataclass
+class Config:
+    data_dir: str | None = option(None, "COCO-format folder: annotations/instances_<split>.json and <split>/ images")
+    train_split: str = option("train", "training split name")
+    val_split: str = option("val", "evaluation split name")
+    detector: str = option("fasterrcnn", "torchvision detector", choices=DETECTORS)
+    model: str = option("vit_small_patch16_224", "backbone: a vitattn ViT preset (--list-models in train_cifar.py) "
+                        "or torchvision's " + "/".join(RESNETS) + " with an FPN")
+    model_kwargs: str = option("{}", "JSON of ViT config fields over the preset's (timm's --model-kwargs)")
+    pretrained: bool = option(False, "start the ViT from timm's weights (its hub cache, or --pretrained-file)")
+    pretrained_file: str | None = option(None, "local .safetensors / .pth / .npz file of timm's weights")
+    initial_checkpoint: str | None = option(None, "start the ViT from a vitattn checkpoint (timm's name)")
+    strides: tuple[int, ...] = option((4, 8, 16, 32), "pyramid strides, finest first; a pooled level at twice "
+                                      "the last is added")
+    out_channels: int = option(256, "pyramid width")
+    window_size: int | None = option(None, "ViTDet window attention of this size in all blocks but every third")
+    min_size: int = option(800, "the detector resizes images so the short side is this (torchvision's)")
+    max_size: int = option(1333, "... and the long side at most this")
+    aug: str = option("hflip", "training augmentation, as torchvision's references", choices=AUGMENTATIONS)
+    epochs: int = option(12, "passes over the training images")
+    time_budget: float | None = option(None, "minutes of training steps; ends the run if reached first")
+    batch_size: int = option(2, "images per step")
+    lr: float = option(1e-4, "AdamW peak learning rate")
+    weight_decay: float = option(0.1, "weight decay (not on biases, norms, position tables)")
+    warmup: float = option(0.02, "fraction of the run spent warming up the lr, in [0, 1); then cosine to 0")
+    clip_grad: float = option(1.0, "max gradient norm; 0 = off", aliases=("--grad-clip",))
+    workers: int = option(2, "data loading processes; 0 loads in this one", aliases=("-j",))
+    limit_train: int | None = option(None, "use only the first N training images")
+    limit_val: int | None = option(None, "evaluate only the first N val images")
+    detections_per_img: int = option(100, "detections kept per image, as COCO scores them")
+    score_thresh: float = option(0.05, "detections scoring below this are dropped before COCO scoring (torchvision's "
+                                 "R-CNN default; its FCOS default, 0.2, would cut recall)")
+    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
+    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
+                            choices=tuple(AMP_DTYPES))
+    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
+    seed: int = option(0, "seed for weights, data order and augmentation")
+    log_interval: int = option(50, "steps between log lines")
+    out: str | None = option(None, "run folder (default: runs/detection-<timestamp>); must not hold a run",
+                             aliases=("--output",))
+    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+
+    POSITIVE = ("strides", "out_channels", "window_size", "min_size", "max_size", "epochs", "time_budget",
+                "batch_size", "lr", "limit_train", "limit_val", "detections_per_img", "log_interval")
+    NON_NEGATIVE = ("weight_decay", "clip_grad", "workers", "seed")
+    FRACTION = ("warmup", "score_thresh")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.resume and not self.data_dir:
+            raise UsageError("--data-dir is needed: a COCO-format folder (annotations/instances_<split>.json, "
+                             "<split>/ images)")
+        if self.model not in RESNETS and self.model not in vitattn.PRESETS:
+            raise UsageError(f"--model {self.model!r} is neither a vitattn preset nor one of {tuple(RESNETS)}")
+        if self.model in vitattn.PRESETS and vitattn.PRESETS[self.model][0] != "vit":
+            raise UsageError(f"--model {self.model} is a {vitattn.PRESETS[self.model][0]} preset; the detection "
+                             "backbone is a ViT preset or a torchvision ResNet")
+        vit_only = [flag for flag, on in (("--pretrained", self.pretrained),
+                                          ("--pretrained-file", self.pretrained_file),
+                                          ("--initial-checkpoint", self.initial_checkpoint),
+                                          ("--window-size", self.window_size),
+                                          ("--model-kwargs", self.model_kwargs != "{}")) if on]
+        if self.model in RESNETS and vit_only:
+            raise UsageError(f"{', '.join(vit_only)} apply to a ViT backbone, not {self.model}")
+        if list(self.strides) != sorted(set(self.strides)):
+            raise UsageError(f"--strides must be distinct and finest first, got {list(self.strides)}")
+        if self.model in RESNETS and not set(self.strides) <= {4, 8, 16, 32}:
+            raise UsageError(f"a ResNet's levels have strides 4, 8, 16 and 32, got --strides {list(self.strides)}")
+        if self.min_size > self.max_size:
+            raise UsageError(f"--min-size must not exceed --max-size, got {self.min_size} > {self.max_size}")
+        self.kwargs()  # a bad JSON or field stops the run before anything is written
+
+    def kwargs(self) -> dict[str, Any]:
+        try:
+            kwargs = json.loads(self.model_kwargs)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--model-kwargs must be a JSON object, got {self.model_kwargs!r} ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise UsageError(f"--model-kwargs must be a JSON object of config fields, got {self.model_kwargs!r}")
+        if self.model in vitattn.PRESETS:
+            try:
+                vitattn.get_config(self.model, **kwargs)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"--model-kwargs: {e}") from None
+        return kwargs
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        return AMP_DTYPES[self.amp_dtype] if self.amp else None
+
+
+# =============================================================================================
+# 2. Data: a COCO-format folder through torchvision's CocoDetection, wrapped for transforms v2
+# =============================================================================================
+
+
+@dataclass
+class Split:
+    dataset: torch.utils.data.Dataset  # (image float (3, H, W) in [0, 1], target dict)
+    coco: Any  # pycocotools.coco.COCO of the split's annotation file
+    image_ids: list[int]
+
+
+class CocoTargets:
+    """The first transform: crowd regions out of the training targets (torchvision's references
+    train on ``iscrowd == 0`` only), category ids to labels ``1..K``, and an image with no
+    annotation given empty ``boxes`` / ``labels`` so every target has the same keys."""
+
+    def __init__(self, label_of: dict[int, int], masks: bool) -> None:
+        self.label_of, self.masks = label_of, masks
+
+    def __call__(self, image, target: dict) -> tuple[Any, dict]:
+        from torchvision import tv_tensors
+        from torchvision.transforms.v2 import functional as TF
+
+        h, w = TF.get_size(image)
+        if "boxes" not in target:  # CocoDetection's wrapper returns only the id of an empty image
+            target = {**target, "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                      "iscrowd": [], **({"masks": torch.zeros(0, h, w, dtype=torch.uint8)} if self.masks else {})}
+        keep = torch.tensor([not c for c in target["iscrowd"]], dtype=torch.bool)
+        out = {"image_id": target["image_id"],
+               "boxes": tv_tensors.BoundingBoxes(torch.as_tensor(target["boxes"])[keep], format="XYXY",
+                                                 canvas_size=(h, w)),
+               "labels": torch.tensor([self.label_of[int(c)] for c in target["labels"][keep]], dtype=torch.int64)}
+        if self.masks:
+            out["masks"] = tv_tensors.Mask(target["masks"][keep])
+        return image, out
+
+
+def augmentation(policy: str) -> list:
+    """torchvision references' detection policies: ``hflip`` (their default), ``ssd`` (photometric
+    distortion, zoom out, IoU crop, flip: for training from scratch on small data), ``none``."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    if policy == "hflip":
+        return [v2.RandomHorizontalFlip(0.5)]
+    if policy == "ssd":  # zoom out fills with ImageNet's mean colour, masks with 0
+        return [v2.RandomPhotometricDistort(), v2.RandomZoomOut(fill={tv_tensors.Image: (123, 117, 104), "others": 0}),
+                v2.RandomIoUCrop(), v2.RandomHorizontalFlip(0.5)]
+    return []
+
+
+def load_split(cfg: Config, split: str, train: bool) -> Split:
+    """One split of the folder, checked: missing files, a file that is not COCO's format, missing
+    images and an empty split are UsageErrors that name what was expected."""
+    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+    from torchvision.transforms import v2
+
+    root = Path(cfg.data_dir)
+    ann, images = root / "annotations" / f"instances_{split}.json", root / split
+    if not root.is_dir():
+        raise UsageError(f"--data-dir {root}: no such folder")
+    for path, what in ((ann, "annotation file"), (images, "image folder")):
+        if not path.exists():
+            raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
+                             f"instances_<split>.json and <split>/ holding its images)")
+    try:
+        with contextlib.redirect_stdout(None):  # pycocotools prints its progress
+            ds = CocoDetection(str(images), str(ann))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{ann} is not valid JSON ({e})") from None
+    except (AssertionError, KeyError, TypeError) as e:
+        raise UsageError(f"{ann} is not a COCO instances file (needs 'images', 'annotations' and 'categories' "
+                         f"lists; {type(e).__name__}: {e})") from None
+    coco = ds.coco
+    lists = [k for k in ("images", "annotations", "categories") if not isinstance(coco.dataset.get(k), list)]
+    if lists:
+        raise UsageError(f"{ann} is not a COCO instances file: {', '.join(repr(k) for k in lists)} must be lists")
+    cat_ids = sorted(coco.getCatIds())
+    if not cat_ids:
+        raise UsageError(f"{ann} lists no categories")
+    unknown = sorted({a["category_id"] for a in coco.dataset["annotations"]} - set(cat_ids))
+    if unknown:
+        raise UsageError(f"{ann}: annotations name categories {unknown[:5]} that 'categories' does not list")
+    ids = list(ds.ids)
+    if train:  # as torchvision's references: images without a usable box teach nothing to most detectors
+        ids = [i for i in ids if any(a["bbox"][2] >= 1 and a["bbox"][3] >= 1 and not a.get("iscrowd", 0)
+                                     for a in coco.imgToAnns[i])]
+    ids = ids[:cfg.limit_train if train else cfg.limit_val]
+    if not ids:
+        raise UsageError(f"{ann}: no {'annotated ' if train else ''}images in split {split!r}")
+    masks = cfg.detector == "maskrcnn"
+    if masks and any("segmentation" not in a for i in ids for a in coco.imgToAnns[i]):
+        raise UsageError(f"--detector maskrcnn learns masks: every annotation in {ann} needs a 'segmentation'")
+    missing = [coco.imgs[i]["file_name"] for i in ids if not (images / coco.imgs[i]["file_name"]).is_file()]
+    if missing:
+        raise UsageError(f"{len(missing)} image(s) named in {ann} are not in {images}, e.g. {missing[:3]}")
+    steps = [CocoTargets({c: k + 1 for k, c in enumerate(cat_ids)}, masks), v2.ToImage(),
+             *(augmentation(cfg.aug) if train else []), v2.ToDtype(torch.float32, scale=True)]
+    if train:
+        steps.append(v2.SanitizeBoundingBoxes())  # drops boxes that augmentation made empty
+    ds.transforms = v2.Compose(steps)
+    keys = ("image_id", "boxes", "labels", "iscrowd") + (("masks",) if masks else ())
+    wrapped = wrap_dataset_for_transforms_v2(ds, target_keys=keys)
+    position = {image_id: k for k, image_id in enumerate(ds.ids)}
+    return Split(torch.utils.data.Subset(wrapped, [position[i] for i in ids]), coco, ids)
+
+
+def collate(batch: list) -> tuple[list, list]:
+    return tuple(zip(*batch))
+
+
+def loader(split: Split, cfg: Config, order: list[int] | None = None) -> torch.utils.data.DataLoader:
+    """Batches in ``order`` (positions in the split; default: as listed)."""
+    return torch.utils.data.DataLoader(split.dataset, batch_size=cfg.batch_size, sampler=order, shuffle=False,
+                                       num_workers=cfg.workers, collate_fn=collate,
+                                       persistent_workers=False, pin_memory=False)
+
+
+def epoch_order(n: int, seed: int, epoch: int, skip: int) -> list[int]:
+    """A fixed permutation per (seed, epoch), less the first ``skip`` images: a resumed epoch sees
+    the images the interrupted one had not."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g)[skip:].tolist()
+
+
+# =============================================================================================
+# 3. Model
+# =============================================================================================
+
+
+class ResNetFPN(nn.Module):
+    """torchvision's ResNet trunk (random init, BatchNorm) with its FPN on the layers of the given
+    strides and a max-pooled level: ``out_channels`` and ``strides`` as ``build_detector`` reads."""
+
+    def __init__(self, name: str, strides: tuple[int, ...], out_channels: int) -> None:
+        super().__init__()
+        import torchvision
+        from torchvision.models.detection.backbone_utils import BackboneWithFPN
+        from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+        layer = {4: 1, 8: 2, 16: 3, 32: 4}
+        top = RESNETS[name]
+        self.body = BackboneWithFPN(getattr(torchvision.models, name)(weights=None),
+                                    {f"layer{layer[s]}": str(i) for i, s in enumerate(strides)},
+                                    [top // 2 ** (4 - layer[s]) for s in strides], out_channels,
+                                    extra_blocks=LastLevelMaxPool())
+        self.out_channels = out_channels
+        self.strides = {**{str(i): s for i, s in enumerate(strides)}, "pool": 2 * strides[-1]}
+
+    def forward(self, x: torch.Tensor):
+        return self.body(x)
+
+
+def build_model(cfg: Config, num_classes: int) -> nn.Module:
+    """The detector: a ViTDet pyramid on the ViT (or a ResNet + FPN) with ``cfg.strides``."""
+    if cfg.model in RESNETS:
+        backbone = ResNetFPN(cfg.model, cfg.strides, cfg.out_channels)
+    else:
+        overlay = dict(file=cfg.pretrained_file) if cfg.pretrained_file else None
+        vit = vitattn.create_model(cfg.model, pretrained=cfg.pretrained or bool(overlay),
+                                   pretrained_cfg_overlay=overlay, checkpoint_path=cfg.initial_checkpoint,
+                                   **cfg.kwargs())
+        patch = vit.patch_embed.patch_size[0]
+        scales = [patch / s for s in cfg.strides]
+        if not set(scales) <= set(SCALE_FACTORS):
+            raise UsageError(f"--strides {list(cfg.strides)} with patch {patch}: ViTDet's pyramid makes strides "
+                             f"{[int(patch / s) for s in SCALE_FACTORS if patch / s == int(patch / s)]} from it")
+        backbone = ViTDetBackbone(vit, cfg.out_channels, scale_factors=scales, window_size=cfg.window_size)
+    box = "box_" if cfg.detector in ("fasterrcnn", "maskrcnn") else ""  # the R-CNNs' names start with box_
+    return build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
+                          **{f"{box}detections_per_img": cfg.detections_per_img,
+                             f"{box}score_thresh": cfg.score_thresh})
+
+
+# =============================================================================================
+# 4. Training and evaluation
+# =============================================================================================
+
+
+class Interrupted(Exception):
+    pass
+
+
+@dataclass
+class State:
+    epoch: int = 0  # epochs finished
+    step: int = 0  # steps taken
+    seen: int = 0  # images of the current epoch already trained on
+    images: int = 0  # images trained on in all
+    train_s: float = 0.0  # seconds of training steps
+    loss: float | None = None  # mean training loss over the epoch (or its part) trained last
+
+
+def progress(state: State, cfg: Config, steps_per_epoch: int) -> float:
+    """Fraction of the run done: by steps or by the budget, whichever is further along."""
+    by_steps = state.step / (cfg.epochs * steps_per_epoch)
+    return max(by_steps, state.train_s / (60 * cfg.time_budget)) if cfg.time_budget else by_steps
+
+
+def to_device(images: list, targets: list, dev: torch.device) -> tuple[list, list]:
+    return ([im.to(dev, non_blocking=True) for im in images],
+            [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets])
+
+
+def train_epoch(model, opt, scaler, train: Split, cfg: Config, dev, state: State, stop: StopFlag, log) -> bool:
+    """Train until the epoch, the run or the budget ends; True when the run is complete."""
+    steps_per_epoch = math.ceil(len(train.dataset) / cfg.batch_size)
+    losses_sum, n, epoch_sum, epoch_n = 0.0, 0, 0.0, 0
+    order = epoch_order(len(train.dataset), cfg.seed, state.epoch, state.seen)
+    for images, targets in loader(train, cfg, order):
+        done = progress(state, cfg, steps_per_epoch)
+        if done >= 1:
+            return True
+        set_lr(opt, get_lr(done, cfg.lr, cfg.warmup, "cosine"))
+        images, targets = to_device(images, targets, dev)
+        t0 = time.perf_counter()
+        with autocast(dev, cfg.autocast_dtype()):
+            loss = sum(model(images, targets).values())
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if cfg.clip_grad:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        scaler.step(opt)
+        scaler.update()
+        value = float(loss.detach())  # waits for the step, so the clock below is the step's time
+        state.train_s += time.perf_counter() - t0
+        state.step, state.seen, state.images = state.step + 1, state.seen + len(images), state.images + len(images)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the loss is {value} at step {state.step}; lower --lr or use --clip-grad")
+        losses_sum, n, epoch_sum, epoch_n = losses_sum + value, n + 1, epoch_sum + value, epoch_n + 1
+        state.loss = epoch_sum / epoch_n
+        if state.step % cfg.log_interval == 0:
+            log(f"epoch {state.epoch + 1} step {state.step}  loss {losses_sum / n:.3f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}  {state.train_s / 60:.1f} min")
+            losses_sum, n = 0.0, 0
+        if stop.signum is not None:
+            raise Interrupted
+    state.epoch, state.seen = state.epoch + 1, 0
+    return state.epoch >= cfg.epochs or progress(state, cfg, steps_per_epoch) >= 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: Split, cfg: Config, dev: torch.device, category_ids: list[int]) -> dict:
+    """COCO box AP of the model on the val split (pycocotools, against the split's annotation file)."""
+    model.eval()
+    detections = []
+    for images, targets in loader(val, cfg):
+        with autocast(dev, cfg.autocast_dtype()):
+            outputs = model([im.to(dev) for im in images])
+        for t, o in zip(targets, outputs):
+            detections += coco_results(t["image_id"], {k: v.cpu() for k, v in o.items()}, category_ids)
+    model.train()
+    return coco_eval(val.coco, detections, val.image_ids, max_dets=cfg.detections_per_img)
+
+
+# =============================================================================================
+# 5. The run
+# =============================================================================================
+
+
+def save(path: Path, model, opt, scaler, state: State, dev: torch.device, category_ids: list[int]) -> None:
+    save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+                 "state": asdict(state), "rng": rng_states(dev), "family": "detector",
+                 "category_ids": category_ids}, path)
+
+
+def main(config: Config) -> dict:
+    """Train and evaluate; returns the summary (``status`` 'ok' or 'interrupted') with the model
+    under ``'model'``. Bad options, data or run folders raise UsageError / CheckpointError
+    before anything is written."""
+    cfg = resumed_config(Config, config.resume, "examples/train_detection.py") if config.resume else config
+    try:
+        dev = pick_device(cfg.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = run_folder(cfg.out, cfg.resume, prefix="detection-")
+    log = functools.partial(print, flush=True)
+    with contextlib.ExitStack() as folder:
+        if cfg.resume:
+            folder.enter_context(hold(out, True))
+        torch.manual_seed(cfg.seed)
+        train, val = load_split(cfg, cfg.train_split, True), load_split(cfg, cfg.val_split, False)
+        category_ids = [0, *sorted(train.coco.getCatIds())]  # label k -> category_ids[k]; 0 is the background
+        if sorted(val.coco.getCatIds()) != category_ids[1:]:
+            raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
+        model = build_model(cfg, len(category_ids)).to(dev)
+        opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+        scaler = torch.amp.GradScaler(dev.type, enabled=cfg.autocast_dtype() == torch.float16)
+        state, ckpt = State(), out / "checkpoints" / "last.pt"
+        if ckpt.exists():
+            ck = load_checkpoint(ckpt)
+            check_checkpoint(ck, model, "detector", ckpt)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            scaler.load_state_dict(ck["scaler"])
+            state = State(**ck["state"])
+            set_rng_states(ck["rng"], dev)
+        else:
+            out.mkdir(parents=True, exist_ok=True)  # everything checked: now the run folder is written
+            if not cfg.resume:
+                folder.enter_context(hold(out, True))
+            write_text_atomic(out / "config.json", json.dumps({**asdict(cfg), "out": str(out)}, indent=1))
+        log(f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(train.image_ids)} "
+            f"train / {len(val.image_ids)} val images, {len(category_ids) - 1} categories; device {dev}")
+        status, signum, finished = "ok", None, state.epoch >= cfg.epochs
+        with StopFlag() as stop:
+            while not finished:
+                try:
+                    finished = train_epoch(model, opt, scaler, train, cfg, dev, state, stop, log)
+                except Interrupted:
+                    save(ckpt, model, opt, scaler, state, dev, category_ids)
+                    log(f"interrupted: checkpoint saved; continue with: python examples/train_detection.py "
+                        f"--resume {out}")
+                    status, signum = "interrupted", stop.signum
+                    break
+                t0 = time.perf_counter()
+                ap = evaluate(model, val, cfg, dev, category_ids)
+                row = {"epoch": state.epoch + state.seen / len(train.dataset), "step": state.step,
+                       "train_loss": state.loss, "train_minutes": state.train_s / 60,
+                       "eval_s": time.perf_counter() - t0,
+                       **{k: v for k, v in ap.items() if k != "per_class"}}
+                append_jsonl(out / "metrics.jsonl", row)
+                save(ckpt, model, opt, scaler, state, dev, category_ids)
+                log("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        summary = {"status": status, "signal": signum, "out": str(out), "config": asdict(cfg),
+                   "environment": environment(dev), "state": asdict(state), "params": count_params(model),
+                   "images_per_s": state.images / state.train_s if state.train_s else None}
+        if status == "ok":
+            summary["final"] = read_jsonl(out / "metrics.jsonl")[-1]
+            write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
+        return {**summary, "model": model}
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = build_parser(Config, __doc__.split("\n\n")[0])
+    cfg = parse_config(p, Config, argv)
+    return run_cli(main, cfg, "examples/train_detection.py", (UsageError, CheckpointError))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

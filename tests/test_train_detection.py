@@ -1,0 +1,203 @@
+"""examples/train_detection.py end to end on a tiny COCO-format folder made here, and the shapes
+example's folder through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("pycocotools")
+pytest.importorskip("torchvision")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_detection.py"
+TINY_VIT = json.dumps(dict(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=2))
+SMALL = ["--model", "vit_tiny_patch16_224", "--model-kwargs", TINY_VIT, "--strides", "8", "16",
+         "--out-channels", "32", "--min-size", "64", "--max-size", "64", "--batch-size", "4", "--workers", "0",
+         "--lr", "1e-3", "--log-interval", "2"]
+
+
+def write_coco(root: Path, split: str, n: int, seed: int) -> dict:
+    """``n`` 64x64 PNGs of one or two filled squares on grey, categories 3 ('red') and 7 ('blue')
+    (ids need not be 1..K); image 0 has no annotation and image 1 a crowd region besides."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    (root / split).mkdir(parents=True)
+    images, anns = [], []
+    for i in range(n):
+        img = torch.full((64, 64, 3), 128, dtype=torch.uint8)
+        for _ in range(0 if i == 0 else 1 + i % 2):
+            side = int(torch.randint(12, 24, (1,), generator=g))
+            x, y = (int(v) for v in torch.randint(0, 64 - side, (2,), generator=g))
+            red = bool(torch.rand(1, generator=g) < 0.5)
+            img[y:y + side, x:x + side] = torch.tensor([220, 30, 30] if red else [30, 30, 220], dtype=torch.uint8)
+            anns.append({"id": len(anns) + 1, "image_id": 100 + i, "category_id": 3 if red else 7,
+                         "bbox": [x, y, side, side], "area": side * side, "iscrowd": 0,
+                         "segmentation": [[x, y, x + side, y, x + side, y + side, x, y + side]]})
+        if i == 1:
+            anns.append({"id": len(anns) + 1, "image_id": 100 + i, "category_id": 3, "bbox": [0, 0, 8, 8],
+                         "area": 64, "iscrowd": 1, "segmentation": {"counts": [0, 64], "size": [64, 64]}})
+        Image.fromarray(img.numpy()).save(root / split / f"im{i}.png")
+        images.append({"id": 100 + i, "file_name": f"im{i}.png", "height": 64, "width": 64})
+    data = {"images": images, "annotations": anns,
+            "categories": [{"id": 3, "name": "red"}, {"id": 7, "name": "blue"}]}
+    (root / "annotations").mkdir(exist_ok=True)
+    (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
+    return data
+
+
+@pytest.fixture(scope="module")
+def coco(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("coco")
+    write_coco(root, "train", 12, 0)
+    write_coco(root, "val", 6, 1)
+    boxes = json.loads((root / "annotations" / "instances_train.json").read_text())
+    for a in boxes["annotations"]:
+        a.pop("segmentation", None)
+    (root / "annotations" / "instances_boxes.json").write_text(json.dumps(boxes))  # boxes only, no images
+    (root / "boxes").mkdir()
+    return root
+
+
+def script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_one_epoch_end_to_end_writes_coco_ap_then_resumes_to_the_next(coco, tmp_path):
+    out = tmp_path / "run"
+    r = script("--data-dir", str(coco), *SMALL, "--epochs", "3", "--limit-train", "8", "--output", str(out),
+               "--detector", "fcos", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2, 3] and rows[-1]["step"] == 6  # 8 annotated images, batch 4
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]  # it learns
+    for key in ("map", "map_50", "map_75", "map_small", "map_medium", "map_large"):
+        assert all(-1 <= row[key] <= 1 for row in rows), key
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["final"] == rows[-1]
+    ck = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["category_ids"] == [0, 3, 7] and ck["state"]["epoch"] == 3
+    # a finished run resumed does no more steps and keeps its results
+    r = script("--resume", str(out))
+    assert r.returncode == 0, r.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(td, coco, tmp_path, monkeypatch, one_thread):
+    """In process: a stop after the first step saves a checkpoint; the resume finishes the epoch
+    with the images the first part had not seen."""
+    cfg = td.parse_config(td.build_parser(td.Config, ""), td.Config,
+                          ["--data-dir", str(coco), *SMALL, "--epochs", "1", "--limit-train", "8",
+                           "--output", str(tmp_path / "r"), "--detector", "retinanet"])
+    real = td.train_epoch
+
+    def stop_after_one_step(model, opt, scaler, train, cfg, dev, state, stop, log):
+        stop.signum = 2  # as Ctrl-C would, checked after each step
+        return real(model, opt, scaler, train, cfg, dev, state, stop, log)
+
+    monkeypatch.setattr(td, "train_epoch", stop_after_one_step)
+    first = td.main(cfg)
+    assert first["status"] == "interrupted" and first["state"]["step"] == 1 and first["state"]["seen"] == 4
+    monkeypatch.setattr(td, "train_epoch", real)
+    second = td.main(td.Config(resume=str(tmp_path / "r")))
+    assert second["status"] == "ok" and second["state"]["step"] == 2 and second["state"]["epoch"] == 1
+    assert second["state"]["images"] == 8  # each training image once
+
+
+def test_maskrcnn_trains_on_the_folder_and_resnet_is_the_baseline(coco, tmp_path):
+    r = script("--data-dir", str(coco), *SMALL[:4], "--strides", "8", "16", "--out-channels", "32",
+               "--min-size", "64", "--max-size", "64", "--batch-size", "4", "--workers", "1", "--epochs", "1",
+               "--limit-train", "4", "--limit-val", "3", "--detector", "maskrcnn", "--aug", "ssd",
+               "--output", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    r = script("--data-dir", str(coco), "--model", "resnet18", "--strides", "8", "16", "--out-channels", "32",
+               "--min-size", "64", "--max-size", "64", "--batch-size", "4", "--workers", "0", "--epochs", "1",
+               "--limit-train", "4", "--limit-val", "3", "--output", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["final"]["step"] == 1
+
+
+@pytest.fixture(scope="module")
+def td():
+    """The script as a module (it is not in the package), for in-process calls."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_detection", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_detection"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["train_detection"]
+
+
+def refused(td, capsys, argv: list[str]) -> str:
+    """Run the command line in process; it must exit 2 with one line and no traceback."""
+    try:
+        code = td.cli(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].count("error") == 1
+    return err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-dir", "{tmp}/none"], "no such folder"),
+    (["--data-dir", "{coco}", "--train-split", "test"], "no annotation file"),
+    (["--data-dir", "{bad}"], "is not a COCO instances file"),
+    (["--data-dir", "{coco}", "--model", "resnet18", "--strides", "64"], "a ResNet's levels have strides"),
+    (["--data-dir", "{coco}", "--model", "cnn_cifar"], "is a cnn preset"),
+    (["--data-dir", "{coco}", "--model", "resnet18", "--pretrained"], "--pretrained apply to a ViT backbone"),
+    (["--data-dir", "{coco}", "--strides", "16", "8"], "must be distinct and finest first"),
+    (["--data-dir", "{coco}", "--strides", "8", "0"], "--strides must be > 0"),
+    (["--data-dir", "{coco}", "--model-kwargs", "{{\"depht\": 2}}"], "depht"),
+    (["--data-dir", "{coco}", "--output", "{coco}"], "is not a new or empty folder"),
+    (["--data-dir", "{coco}", "--detector", "maskrcnn", "--train-split", "boxes"], "needs a 'segmentation'"),
+    ([], "--data-dir is needed"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(td, coco, tmp_path, capsys, args, message):
+    bad = tmp_path / "bad"
+    (bad / "annotations").mkdir(parents=True)
+    (bad / "train").mkdir()
+    (bad / "annotations" / "instances_train.json").write_text(json.dumps({"images": [], "annotations": []}))
+    args = [a.format(tmp=tmp_path, coco=coco, bad=bad) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert message in refused(td, capsys, [*args, "--epochs", "1", "--output", str(tmp_path / "o")]
+                              if "--output" not in args else [*args, "--epochs", "1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_missing_images_are_named_before_anything_is_written(td, coco, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(coco, broken)
+    (broken / "val" / "im3.png").unlink()
+    err = refused(td, capsys, ["--data-dir", str(broken), *SMALL, "--output", str(tmp_path / "o")])
+    assert "im3.png" in err and "are not in" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_shapes_example_writes_a_coco_folder_and_runs_through_the_script(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "detect_shapes.py"), "--train-images", "16",
+                        "--val-images", "8", "--epochs", "1", "--budget", "0.05", "--no-figure",
+                        "--work-dir", str(tmp_path), "--results", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    ann = json.loads((tmp_path / "shapes" / "annotations" / "instances_val.json").read_text())
+    assert len(ann["images"]) == 8 and [c["name"] for c in ann["categories"]] == ["circle", "square", "triangle",
+                                                                                   "cross"]
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert set(results) == {"vit", "resnet18"}
+    assert all(-1 <= results[k]["final"]["map"] <= 1 for k in results)

@@ -1,0 +1,207 @@
+"""The command line of a training script, from one dataclass.
+
+Each option is declared once, as a field of the script's config dataclass with its help text
+(:func:`option`); :func:`build_parser` turns the fields into argparse options, ``-c FILE`` reads a
+YAML of defaults (timm's ``train.py`` habit) and :func:`run_cli` maps what can go wrong to one
+line and an exit status: 2 for bad options, data or run folders (nothing written), 1 for a
+failure mid-run (with the command that resumes it), 128 + the signal when stopped.
+
+``train_cifar.py`` and ``examples/train_detection.py`` are built on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class UsageError(ValueError):
+    """A bad option or a run folder that cannot be used: exit status 2, nothing written."""
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A config field with its ``--help`` text; ``choices`` and ``aliases`` (other flags) in ``meta``."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def check_fields(cfg: Any) -> None:
+    """Raise a UsageError for a field outside its choices, a fraction for a whole number, a
+    non-finite number, or a value outside the class's ``POSITIVE`` (> 0), ``NON_NEGATIVE`` (>= 0)
+    and ``FRACTION`` ([0, 1)) sets of field names."""
+    positive, non_negative, fraction = (getattr(cfg, k, ()) for k in ("POSITIVE", "NON_NEGATIVE", "FRACTION"))
+    for f in dataclasses.fields(cfg):
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if v is not None and "choices" in f.metadata and v not in f.metadata["choices"]:
+            raise UsageError(f"{flag} must be one of {f.metadata['choices']}, got {v!r}")
+        if v == "" and "str" in f.type:
+            raise UsageError(f"{flag} needs a value, got an empty string")
+        for x in v if isinstance(v, tuple) else (v,):  # a tuple field's values each
+            if x is None or isinstance(x, bool | str):
+                continue
+            if "int" in f.type and "float" not in f.type and not isinstance(x, int):
+                raise UsageError(f"{flag} must be a whole number, got {x!r}")
+            if isinstance(x, float) and not math.isfinite(x):
+                raise UsageError(f"{flag} must be a finite number, got {x!r}")
+            if (f.name in positive and not x > 0) or (f.name in non_negative and not x >= 0) or \
+                    (f.name in fraction and not 0 <= x < 1):
+                want = "> 0" if f.name in positive else ">= 0" if f.name in non_negative else "in [0, 1)"
+                raise UsageError(f"{flag} must be {want}, got {x!r}")
+
+
+def build_parser(cls: type, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """An option per field of the dataclass ``cls`` (``--snake-case`` of its name, then its
+    aliases), typed by the annotation, booleans as ``--x`` / ``--no-x``; plus ``-c/--config``."""
+    p = argparse.ArgumentParser(description=description, epilog=epilog)
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
+    for f in dataclasses.fields(cls):
+        flags, help_ = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
+        if f.type == "bool":
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            continue
+        nargs = "+" if f.type.startswith("tuple") else None
+        kind = float if "float" in f.type else int if "int" in f.type else str
+        p.add_argument(*flags, dest=f.name, type=kind, nargs=nargs, default=f.default,
+                       choices=f.metadata.get("choices"), metavar=None if "choices" in f.metadata else f.name.upper(),
+                       help=f"{help_} (default: {f.default})")
+    return p
+
+
+def parse_config(p: argparse.ArgumentParser, cls: type, argv: list[str] | None,
+                 keep_on_resume: tuple[str, ...] = ()) -> Any:
+    """Parse ``argv`` into ``cls``: ``-c FILE`` values become defaults that the command line
+    overrides; with ``--resume`` no other option may change (a resumed run keeps its own, and
+    silently ignoring new ones would be wrong work) except those in ``keep_on_resume``. A config
+    that ``cls`` refuses (a UsageError) is a usage error of the parser: exit 2, one line."""
+    first, _ = p.parse_known_args(argv)
+    if first.config:
+        p.set_defaults(**config_file_defaults(p, first.config, cls))
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()}
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    args = {k: v for k, v in args.items() if k in fields_}
+    if args.get("resume"):
+        changed = sorted(k for k, v in args.items() if k not in ("resume", *keep_on_resume)
+                         and v != fields_[k].default)
+        if changed:
+            p.error(f"--resume continues a run with the options it was started with; drop "
+                    f"{', '.join('--' + k.replace('_', '-') for k in changed)}")
+    try:
+        return cls(**args)
+    except UsageError as e:
+        p.error(str(e))
+
+
+def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> dict[str, Any]:
+    """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        p.error(f"-c {path}: cannot read it as YAML ({str(e).splitlines()[0]})")
+    if not isinstance(values, dict):
+        p.error(f"-c {path}: expected a mapping of option names to values, got {type(values).__name__}")
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    out = {str(k).lstrip("-").replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(out) - set(fields_))
+    if unknown:
+        p.error(f"-c {path}: unknown option(s) {unknown}; see --help")
+    for k, v in out.items():
+        many = fields_[k].type.startswith("tuple") and isinstance(v, list)
+        if v is not None and not many and not isinstance(v, (bool, int, float, str)):
+            p.error(f"-c {path}: {k} must be a single value, got {v!r}")
+        if many:
+            out[k] = tuple(v)
+    return out
+
+
+def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | None = None, **keep: Any) -> Any:
+    """The config saved in the run folder ``run`` (its ``config.json``), as ``cls``, with ``resume``
+    and ``out`` set to the folder and the fields in ``keep`` taken from this command line.
+    ``missing`` gives what a field the saved config lacks meant before it was added (not today's
+    default, which would silently change the run)."""
+    folder = Path(run)
+    if not folder.is_dir():
+        raise UsageError(f"--resume {run}: no such run folder")
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+        if not isinstance(saved, dict):
+            raise TypeError(f"expected a JSON object, got {type(saved).__name__}")
+        saved = {**(missing or {}), **saved}
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        saved = {k: tuple(v) if isinstance(v, list) and known.get(k) and known[k].type.startswith("tuple") else v
+                 for k, v in saved.items()}
+        return cls(**{**saved, "resume": str(folder), "out": str(folder), **keep})
+    except FileNotFoundError:
+        raise UsageError(f"--resume {run}: no config.json there; expected a folder written by {script}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--resume {run}: config.json is not valid JSON ({e}); nothing was changed") from None
+    except (TypeError, UsageError) as e:
+        raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
+
+
+def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
+    """The run folder: ``out`` (default ``runs/<prefix><timestamp>``), which must be new or empty
+    unless resuming, and creatable. Nothing is created here."""
+    folder = Path(out or f"runs/{prefix}{time.strftime('%Y%m%d-%H%M%S')}")
+    if not resume and folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UsageError(f"--out {folder} is not a new or empty folder; continue a run there with --resume {folder} "
+                         "or choose another --out")
+    parent = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {folder} cannot be created: {parent} is not a writable folder")
+    return folder
+
+
+class Signalled(KeyboardInterrupt):
+    """A stop signal where no checkpoint can be saved first (a second signal, or one before training)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_before_training(signum, frame):
+    raise Signalled(signum)
+
+
+def run_cli(main: Callable[[Any], dict], cfg: Any, script: str, expected: tuple[type[Exception], ...]) -> int:
+    """Run ``main(cfg)`` and return the exit status: 0 done, 1 a NaN loss or a failure mid-run
+    (one line with the command that resumes; ``VITATTN_TRACEBACK=1`` shows the trace), 2 an
+    ``expected`` error (bad options, data, folders: one line, nothing written), 128 + the signal
+    (130 Ctrl-C, 143 SIGTERM) when stopped. ``main`` returns a summary whose ``status`` is 'ok',
+    'interrupted' (with ``signal``) or 'nan'."""
+    old = signal.signal(signal.SIGTERM, _stop_before_training)  # the default ends the process without a word
+    try:
+        summary = main(cfg)
+    except expected as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Signalled as e:
+        print(f"stopped by {signal.Signals(e.signum).name}: before training began, or sent twice; the last "
+              "checkpoint (if any) is kept", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("stopped by SIGINT before training began; nothing to resume", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("VITATTN_TRACEBACK"):
+            raise
+        out = cfg.resume or cfg.out
+        where = f"; the last good checkpoint is kept: python {script} --resume {out}" if out else ""
+        print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
+              file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if summary["status"] == "interrupted":
+        return 128 + summary["signal"]
+    return {"ok": 0, "nan": 1}[summary["status"]]
