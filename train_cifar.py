@@ -524,12 +524,12 @@ def train_epoch(run: Run, norm: nn.Module, dd: Dist, stop: StopFlag, bar) -> Non
         st.count += len(yb)
         if run.lookahead is not None:
             run.lookahead.step(st.global_step, run.progress())
-        if bar is not None:
-            bar.update(1)
         if dd.world == 1:
             st.train_seconds += time.perf_counter() - t0
         else:
             pending += time.perf_counter() - t0
+        if bar is not None:
+            bar.update((round(min(st.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
     t0 = time.perf_counter()
     read_running(run, bar)  # waits for the last steps' GPU work, which the clock must count
     check_stop(run, dd, stop, pending + time.perf_counter() - t0)
@@ -612,7 +612,12 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
     if cfg.progress and dd.main:
         from tqdm import tqdm
 
-        bar = tqdm(total=run.total_steps, initial=run.st.global_step, desc=family, unit="step", disable=None)
+        if run.budget_s:  # the budget, in minutes of training steps, is what ends the run
+            bar = tqdm(total=round(run.budget_s / 60, 2), initial=round(run.st.train_seconds / 60, 2), desc=family,
+                       unit="min", disable=None,
+                       bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
+        else:
+            bar = tqdm(total=run.total_steps, initial=run.st.global_step, desc=family, unit="step", disable=None)
     model.train()
     try:
         while run.progress() < 1.0:
@@ -716,6 +721,15 @@ def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
     return dd, dev, run_folder(cfg.out, cfg.resume)
 
 
+def console_log(progress: bool):
+    """Print a line; with a progress bar, above it (tqdm.write), so lines never land on the bar."""
+    if not progress:
+        return functools.partial(print, flush=True)
+    from tqdm import tqdm
+
+    return lambda *parts: tqdm.write(" ".join(str(p) for p in parts), file=sys.stdout)
+
+
 def main(config: Config) -> dict:
     """Train, measure and report; returns the summary dict with the trained modules under
     ``'modules'``. ``status`` is 'ok', 'interrupted' or 'nan' (those two raise nothing). Bad
@@ -725,7 +739,7 @@ def main(config: Config) -> dict:
     cfg = resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
                          missing=OLD_RUN_VALUES) if config.resume else config
     dd, dev, out = place_run(cfg)
-    log = functools.partial(print, flush=True) if dd.main else (lambda *a, **k: None)
+    log = console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:
         if cfg.resume:
             folder.enter_context(hold(out, dd.main))

@@ -1,7 +1,7 @@
 """The main job checked on one GPU, in one script: what the CPU tests can only stand in for.
 
-    python benchmarks/gpu_check.py --data-dir path/to/cifar10 --out gpu_check.json     # ~5 min on one GPU
-    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/check.json       # the same steps, tiny
+    python -m benchmarks.gpu_check --data-dir path/to/cifar10 --out gpu_check.json     # ~5 min on one GPU
+    python -m benchmarks.gpu_check --device cpu --quick --out /tmp/check.json       # the same steps, tiny
 
 It runs, each step recorded in one JSON (a step that fails records its error and the rest go on):
 
@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the main script sits beside the package, not in it: run from anywhere
+import train_cifar as T
 
-import train_cifar as T  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_config(args, out: Path, **kw) -> T.Config:
@@ -124,8 +123,7 @@ def two_processes(args, work: Path) -> dict:
 
 
 def step_bench(args, work: Path) -> dict:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_vit
+    from benchmarks import bench_vit
 
     results = {}
     for batch in (256, 1024) if not args.quick else (8,):

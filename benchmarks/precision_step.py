@@ -6,8 +6,8 @@ it (same weights, same batches), and their steps are timed interleaved in one pr
 It also prints whether the CPU multiplies bf16 natively (``avx512_bf16`` / ``amx_bf16`` flags)
 and the rate of one bf16 and one fp32 matrix product, which say most of what autocast can buy.
 
-    python benchmarks/precision_step.py --data-dir path/to/cifar10 --json results.json
-    python benchmarks/precision_step.py --device cuda --dtypes float32 bfloat16 float16
+    python -m benchmarks.precision_step --data-dir path/to/cifar10 --json results.json
+    python -m benchmarks.precision_step --device cuda --dtypes float32 bfloat16 float16
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the main script sits beside the package
-
-import train_cifar as T  # noqa: E402
-from vitattn.train import Dist, native_bf16  # noqa: E402
+import train_cifar as T
+from vitattn.train import Dist, native_bf16
 
 
 def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512), reps: int = 5) -> float:

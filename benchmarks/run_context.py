@@ -4,8 +4,8 @@ A run measures its models once, at the end; a measure added later (the attention
 taken here for a run that predates it. The test images are the run's own pick (its seed and
 ``--context-images``), so the columns the run measured come out as in its report.
 
-    python benchmarks/run_context.py runs/RUN            # the report's section, as markdown
-    python benchmarks/run_context.py runs/RUN   --json   # the numbers, for summaries
+    python -m benchmarks.run_context runs/RUN            # the report's section, as markdown
+    python -m benchmarks.run_context runs/RUN   --json   # the numbers, for summaries
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train_cifar.py at the repository root
-import train_cifar as T  # noqa: E402
-from vitattn import report  # noqa: E402
+import train_cifar as T
+from vitattn import report
 
 
 def main() -> None:

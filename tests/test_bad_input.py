@@ -197,7 +197,6 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
     (lambda: vitattn.create_model("cnn_cifar").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
     (lambda: vitattn.create_model("vit_cifar_patch4").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
     (lambda: vitattn.create_model("vit_cifar_patch4", score="cosine"), ValueError, "unknown score 'cosine'"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", logit_floor=-5), ValueError, "logit_floor must be in"),
     (lambda: vitattn.create_model("vit_cifar_patch4", dynamic_img_size="yes"), TypeError, "must be true or false"),
     (lambda: vitattn.create_model("vit_cifar_patch4", window_size=2, window_block_indexes=[99]), ValueError,
      r"window_block_indexes must be block indices in 0..5, got \[99\]"),

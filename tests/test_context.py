@@ -222,15 +222,15 @@ def test_long_range_is_deterministic_balanced_and_typed():
 
 
 def test_long_range_distances_cover_near_to_far_and_can_be_set():
-    d = make_long_range_specs(2000, seed=0)["distance"]
+    d = make_long_range_specs(2000, seed=0, attribute="colour")["distance"]
     assert d.min() < 5 and d.max() > 27
     assert (d >= 3.5).all()
-    fixed = make_long_range_specs(300, seed=0, distances=[4, 26])["distance"]
+    fixed = make_long_range_specs(300, seed=0, distances=[4, 26], attribute="colour")["distance"]
     assert ((fixed - 4).abs() <= 0.5).sum() == 150 and ((fixed - 26).abs() <= 0.5).sum() == 150
     with pytest.raises(ValueError, match="overlap"):
-        make_long_range_specs(10, seed=0, distances=2)
+        make_long_range_specs(10, seed=0, distances=2, attribute="colour")
     with pytest.raises(ValueError, match="fits"):
-        make_long_range_specs(10, seed=0, distances=60)
+        make_long_range_specs(10, seed=0, distances=60, attribute="colour")
 
 
 @pytest.mark.parametrize("attribute", ["colour", "shape"])
@@ -259,7 +259,7 @@ def test_long_range_one_mark_says_nothing_about_the_label(attribute):
 
 
 def test_long_range_marks_are_drawn_where_the_specs_say():
-    s = make_long_range_specs(50, seed=2)
+    s = make_long_range_specs(50, seed=2, attribute="colour")
     both = render_long_range(s)
     first = render_long_range(s, marks=(True, False))
     none = render_long_range(s, marks=(False, False))

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from vitattn import SCORES, MultiHeadAttention, window_mask
-from vitattn.attention import floor_logit_spread
 
 
 def seeded(seed=0):
@@ -251,62 +250,3 @@ def test_qk_norm_attention_does_not_depend_on_the_scale_of_the_qk_weights():
             assert (after - 1 / 6).abs().max() < (before - 1 / 6).abs().max() / 10
 
 
-def test_floor_logit_spread_raises_narrow_rows_and_keeps_wide_ones():
-    torch.manual_seed(0)
-    s = torch.randn(3, 2, 4, 9)
-    s[0] *= 0.01  # spread ~0.01: raised to the floor
-    s[1] *= 10.0  # spread ~10: left alone
-    out = floor_logit_spread(s, 1.0)
-    assert torch.allclose(out[0].std(-1, unbiased=False), torch.ones(2, 4), atol=1e-4)
-    assert torch.equal(out[1], s[1])
-    # raising a row scales it: the order of its keys and its centre keep their places
-    assert torch.equal(out[0].argsort(-1), s[0].argsort(-1))
-
-
-def test_floor_logit_spread_masked_keys_do_not_count():
-    torch.manual_seed(0)
-    s = torch.randn(2, 1, 3, 6) * 0.05
-    s[..., 4:] = 100.0  # masked keys: would dominate the spread if counted
-    mask = torch.tensor([True] * 4 + [False] * 2)
-    out = floor_logit_spread(s, 1.0, mask)
-    assert torch.allclose(out[..., :4], floor_logit_spread(s[..., :4], 1.0), atol=1e-6)
-
-
-def test_floor_logit_spread_equal_scores_stay_finite():
-    s = torch.zeros(1, 1, 2, 5, requires_grad=True)
-    out = floor_logit_spread(s, 1.0)
-    out.sum().backward()
-    assert torch.equal(out, torch.zeros_like(out)) and torch.isfinite(s.grad).all()
-
-
-def test_logit_floor_attention_is_sharp_and_does_not_depend_on_the_scale_of_the_qk_weights():
-    """Small q/k weights give near-uniform attention; under the floor the weights stay as sharp
-    as the floor makes them, whatever the scale of q and k, and every path gives the same."""
-    torch.manual_seed(0)
-    x = torch.randn(2, 6, 16)
-    plain = MultiHeadAttention(16, num_heads=2).eval()
-    floored = MultiHeadAttention(16, num_heads=2, logit_floor=2.0).eval()
-    floored.load_state_dict(plain.state_dict())
-    with torch.no_grad():
-        for attn in (plain, floored):
-            attn.qkv.weight[:32] *= 0.1  # scores ~1e-3 apart
-    _, uniform = plain(x, return_attention=True)
-    out, sharp = floored(x, return_attention=True)
-    assert (uniform - 1 / 6).abs().max() < 3e-3
-    assert sharp.max() > 0.3  # a spread of 2 over six keys: the largest well above 1/6
-    with torch.no_grad():
-        floored.qkv.weight[:32] *= 0.5
-    out_small, sharp_small = floored(x, return_attention=True)
-    assert torch.allclose(sharp, sharp_small, atol=1e-4)
-    assert torch.allclose(floored(x), out_small, atol=1e-5)  # the no-weights path floors too
-    with pytest.raises(ValueError, match="logit_floor must be a positive spread"):
-        MultiHeadAttention(16, num_heads=2, logit_floor=0.0)
-
-
-def test_logit_floor_window_attention_equals_masked_global():
-    torch.manual_seed(0)
-    attn = MultiHeadAttention(8, num_heads=2, window_size=3, logit_floor=1.0).eval()
-    x = torch.randn(2, 1 + 4 * 5, 8)
-    fast = attn(x, grid=(4, 5), num_prefix_tokens=1)
-    slow, _ = attn(x, grid=(4, 5), num_prefix_tokens=1, return_attention=True)
-    assert torch.allclose(fast, slow, atol=1e-5)

@@ -113,7 +113,7 @@ def test_unsupported_options_are_named():
         vitattn.from_timm(t)
     with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
         vitattn.from_timm(torch.nn.Linear(2, 2))
-    for option in (dict(score="general"), dict(logit_floor=1.0), dict(pos_embed="sincos2d"),
+    for option in (dict(score="general"), dict(pos_embed="sincos2d"),
                    dict(use_rot_pos_emb=True)):
         v = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, **option)
         with pytest.raises(ValueError, match="timm has no twin"):

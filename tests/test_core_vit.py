@@ -60,7 +60,7 @@ def test_forward_features_head_and_pre_logits():
 
 @pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, init_values=0.1), dict(score="general"),
                                 dict(score="additive"), dict(pos_embed="sincos2d", qkv_bias=False),
-                                dict(logit_floor=1.0), dict(use_rot_pos_emb=True)])
+                                dict(use_rot_pos_emb=True)])
 def test_class_token_shortcut_equals_the_readable_path(kw):
     """forward() runs the last block for the class token alone; outputs and every gradient must
     equal forward_head(forward_features(x)), which computes the block for all tokens."""

@@ -701,18 +701,19 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
 
 def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(tmp_path, folder):
     s = T.main(tiny(tmp_path, folder, model="vit", vit_preset="vit_cifar_small_patch4", epochs=1, lr=None))
-    script = [sys.executable, str(ROOT / "benchmarks" / "run_context.py")]
+    script = [sys.executable, "-m", "benchmarks.run_context"]  # from the repository root, as documented
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    got = subprocess.run([*script, s["out"], "--json"], capture_output=True, text=True, env=env, timeout=300)
+    got = subprocess.run([*script, s["out"], "--json"], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=ROOT)
     assert got.returncode == 0, got.stderr
     vit = json.loads(got.stdout)["vit"]
     torch.testing.assert_close(torch.tensor(vit["attention_distance"]),
                                torch.tensor(s["models"]["vit"]["attention_distance_px"]))
     torch.testing.assert_close(torch.tensor(vit["attention_entropy"]),
                                torch.tensor(s["models"]["vit"]["attention_entropy_nats"]))
-    table = subprocess.run([*script, s["out"]], capture_output=True, text=True, env=env, timeout=300)
+    table = subprocess.run([*script, s["out"]], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert table.returncode == 0 and "| ViT | blocks.5 |" in table.stdout and "attention entropy (nats)" in table.stdout
-    bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -21,15 +21,6 @@ general       q^T W k                      Luong et al. 2015; W per head, starts
 additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attention)
 ============  ===========================  ==========================================
 
-The *temperature* of the softmax decides how sharp the weights are. ``logit_floor=t`` raises
-each query's scores to a spread (standard deviation over its keys) of at least ``t`` before the
-softmax, leaving rows that already spread that far as they are (:func:`floor_logit_spread`).
-Small starting q/k weights give scores that barely differ and near-uniform attention; the floor
-turns the same scores into weights that pick out the keys that stand apart, and makes the
-weights independent of the scale of q and k while the spread is under it. It follows Hoffmann
-et al. 2023 ("Eureka-Moments in Transformers", NormSoftmax), who trace slow, abrupt learning of
-two-step tasks to the softmax and normalise its input by its standard deviation.
-
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
@@ -55,23 +46,6 @@ from .pos_embed import apply_rope
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 
-
-def floor_logit_spread(scores: torch.Tensor, floor: float, mask: torch.Tensor | None = None,
-                       eps: float = 1e-6) -> torch.Tensor:
-    """Scale each row of ``scores`` (``(..., Nq, Nk)``) up to a standard deviation over its keys
-    of at least ``floor``; rows that spread further are returned unchanged.
-
-    ``mask`` (boolean, True = may attend, broadcastable to ``scores``) leaves masked keys out of
-    the spread. A row of equal scores stays equal (its spread is 0; ``eps`` keeps it finite).
-    """
-    if mask is None:
-        var = scores.var(dim=-1, unbiased=False, keepdim=True)
-    else:
-        m = mask.expand_as(scores).to(scores.dtype)
-        n = m.sum(-1, keepdim=True).clamp(min=1.0)
-        mean = (scores * m).sum(-1, keepdim=True) / n
-        var = ((scores - mean).square() * m).sum(-1, keepdim=True) / n
-    return scores * (floor / (var + eps**2).sqrt()).clamp(min=1.0)
 
 def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
     """``(P + N, P + N)`` boolean mask, True where query i may attend to key j under window
@@ -105,8 +79,6 @@ class MultiHeadAttention(nn.Module):
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
             ``grid`` in ``forward``. ``None`` is global attention.
         additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
-        logit_floor: the least spread of each query's scores before the softmax
-            (:func:`floor_logit_spread`); ``None`` for none. Runs the explicit path.
         fused: use the fused kernel wherever it computes the same thing (``False``: always the
             explicit path).
     """
@@ -126,7 +98,6 @@ class MultiHeadAttention(nn.Module):
         proj_drop: float = 0.0,
         window_size: int | Size2 | None = None,
         additive_dim: int | None = None,
-        logit_floor: float | None = None,
         fused: bool = True,
         norm_eps: float = 1e-6,
     ) -> None:
@@ -136,14 +107,11 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {num_heads}")
         if score not in SCORES:
             raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
-        if logit_floor is not None and not logit_floor > 0:
-            raise ValueError(f"logit_floor must be a positive spread or None, got {logit_floor!r}")
         self.num_heads = num_heads
         self.head_dim = d = hidden_dim // num_heads
         self.hidden_dim = hidden_dim
         self.scale = d**-0.5
         self.score = score
-        self.logit_floor = logit_floor
         self.fused = fused
         self.window_size = to_2tuple(window_size) if window_size is not None else None
 
@@ -194,7 +162,7 @@ class MultiHeadAttention(nn.Module):
         ``(B, heads, Nq, Nk)``.
         """
         drop = self.attn_drop.p if self.training else 0.0
-        if self.fused and not need_weights and self.score != "additive" and self.logit_floor is None:
+        if self.fused and not need_weights and self.score != "additive":
             scale = {"scaled_dot": self.scale, "dot": 1.0, "general": 1.0}[self.score]
             if self.score == "general":
                 q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)
@@ -202,8 +170,6 @@ class MultiHeadAttention(nn.Module):
             return out, None
         # The readable path: score, mask, softmax, weighted sum.
         s = self.scores(q, k)
-        if self.logit_floor is not None:
-            s = floor_logit_spread(s, self.logit_floor, mask)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         weights = s.softmax(dim=-1)

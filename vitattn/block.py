@@ -69,7 +69,7 @@ class Block(nn.Module):
         dim: token width ``D``.
         num_heads: attention heads.
         mlp_ratio: MLP hidden width as a multiple of ``D``.
-        qkv_bias, qk_norm, score, logit_floor: passed to :class:`MultiHeadAttention`.
+        qkv_bias, qk_norm, score: passed to :class:`MultiHeadAttention`.
         proj_drop, attn_drop: dropout after projections and on attention weights.
         init_values: LayerScale start value; ``None`` for no LayerScale.
         drop_path: stochastic depth rate of this block.
@@ -88,7 +88,6 @@ class Block(nn.Module):
         qkv_bias: bool = True,
         qk_norm: bool = False,
         score: str = "scaled_dot",
-        logit_floor: float | None = None,
         proj_drop: float = 0.0,
         attn_drop: float = 0.0,
         init_values: float | None = None,
@@ -99,7 +98,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = MultiHeadAttention(
-            dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, score=score, logit_floor=logit_floor,
+            dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, score=score,
             attn_drop=attn_drop, proj_drop=proj_drop, window_size=window_size, norm_eps=norm_eps,
         )
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()

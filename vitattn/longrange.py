@@ -1,40 +1,27 @@
-"""A long-range task made on the fly: are two distant marks the same?
+"""A long-range task made on the fly: are two distant marks in one row or in one column?
 
-Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a background:
-colour blobs, stripes and noise (``background='texture'``, the default here), or one grey level
-(``'plain'``, train_cifar's default, where finding the marks is trivial). The label is ``same``
-when the two marks match in one attribute (``'colour'`` by default, or ``'shape'``),
-``different`` otherwise; the other attribute is drawn per mark as a nuisance. The marks sit a
-controlled distance apart (pixels between their centres), so accuracy against distance shows
-how well a model relates two regions as they move apart.
+Each 32x32 RGB image holds two small marks (3x3 glyphs, 5 pixels each) on a background: one grey
+level (``background='plain'``, the default: finding the marks is trivial) or colour blobs, stripes
+and noise (``'texture'``). With ``attribute='alignment'`` (the default, and the task the study in
+docs/context.md reports) the label says whether the two marks share a row or a column, 7-15 px
+apart (``_alignment_specs``). The task is closed: every part of a scene short of both places
+together says nothing about its label (``view_accuracy`` measures it: one mark, the unordered
+appearances, one mark's shape with the other's place, ...), so pooling local detectors cannot
+solve it unless they know their place. Read out by a mean over places and a linear head, even
+detectors that know their place cannot pass 3 in 4 (the scenes come in equally likely rectangles
+of two row pairs and two column pairs, and a sum of one-mark terms gets at most three of the four
+right): some place must see both marks, which is what a model's reach is.
 
-Why the label cannot be read off one place:
-- each mark's shape and colour have the same distribution in both classes (the first is uniform;
-  the second copies it for ``same`` and is uniform over the others for ``different``), so one
-  mark alone says nothing about the label;
-- every glyph has the same number of pixels in one saturated colour, so mark area and brightness
-  totals carry no cue;
-- the distance and the positions are drawn independently of the label, and classes are balanced.
-
-A model must bring the two marks together, wherever they are. A model with global pooling can do
-that late, by pooling per-colour detectors (``same`` = one mark colour present), which still needs
-information from both regions to meet; accuracy against distance says how well each model does it
-as the marks move apart. ``'colour'`` is learnt in minutes on a CPU; ``'shape'`` needs longer.
-
-``'pointing'`` and ``'alignment'`` label a relation of places instead: does an arrow point at
-a plus, and are the two marks in one row or in one column (``_alignment_specs``)? Only the
-alignment task is closed: every part of a scene short of both places together says nothing
-about its label (``view_accuracy``), so pooling local detectors cannot solve it unless they know
-their place. Read out by a mean over places and a linear head, even detectors that know their
-place cannot pass 3 in 4 (the scenes come in equally likely rectangles of two row pairs and two
-column pairs, and a sum of one-mark terms gets at most three of the four right): some place
-must see both marks, which is what a model's reach is (docs/context.md measures it).
-``view_accuracy`` measures what a part of the scene alone tells about the label (``VIEWS``: one
-mark, the unordered appearances, one mark's shape with the other's place, the offset...).
+Three more labels are kept for comparison: ``'colour'`` and ``'shape'`` (``same`` when the marks
+match in that attribute; distances 4-28 px; a bag of local colour detectors solves the colour one,
+so it measures less than it seems) and ``'pointing'`` (does an arrow point at a plus? a relation
+with a shortcut). Why the label cannot be read off one place for those: each mark's shape and
+colour have the same distribution in both classes, every glyph has the same pixel count, and
+distances and positions are drawn independently of the label; classes are balanced.
 
     data = make_long_range(10_000, seed=0)
     data["images"]    # (n, 3, 32, 32) uint8
-    data["labels"]    # (n,) int64, index into LONG_RANGE_CLASSES
+    data["labels"]    # (n,) int64, index into CLASSES['alignment']
     data["distance"]  # (n,) float32, pixels between the two mark centres
 
 References: same/different tasks as a test of relational reasoning (Fleuret et al. 2011, SVRT;
@@ -171,7 +158,7 @@ def _pair_up(first: torch.Tensor, labels: torch.Tensor, k: int, gen: torch.Gener
 
 def make_long_range_specs(num: int, *, seed: int, img_size: int = 32,
                           distances: float | Sequence[float] | None = None,
-                          attribute: str = "colour") -> dict[str, torch.Tensor]:
+                          attribute: str = "alignment") -> dict[str, torch.Tensor]:
     """Everything about each image except its pixels: ``labels``, ``shapes`` ``(n, 2)``, ``colours``
     ``(n, 2)`` (indices into ``GLYPHS`` / ``MARK_COLOURS``), ``centres`` ``(n, 2, 2)`` (row, col of
     each mark centre), ``distance``. ``attribute``: what must match for ``same``, ``'colour'`` or
@@ -330,14 +317,14 @@ def render_long_range(specs: dict[str, torch.Tensor], *, img_size: int = 32,
 
 def make_long_range(num: int, *, seed: int, img_size: int = 32,
                     distances: float | Sequence[float] | None = None,
-                    attribute: str = "colour", background: str = "texture") -> dict[str, torch.Tensor]:
+                    attribute: str = "alignment", background: str = "plain") -> dict[str, torch.Tensor]:
     """``num`` images of the long-range task: ``images`` (n, 3, H, W) uint8, ``labels`` (n,) int64
-    (index into ``LONG_RANGE_CLASSES``), ``distance`` (n,) float32 in pixels between the mark
-    centres. ``distances``: ``None`` for uniform in 4-28 px, a number, or a list of numbers that
-    share the images equally. ``attribute``: ``'colour'`` (the default: same colour or not),
-    ``'shape'`` (same glyph or not, slower to learn), ``'pointing'`` or ``'alignment'`` (labels
-    index ``CLASSES[attribute]``). ``background``: ``'texture'`` (colour blobs, stripes and
-    noise) or ``'plain'`` (a grey level and noise). The same seed gives the same data."""
+    (index into ``CLASSES[attribute]``), ``distance`` (n,) float32 in pixels between the mark
+    centres. ``attribute``: ``'alignment'`` (the default, train_cifar's: one row or one column,
+    7-15 px), ``'colour'`` / ``'shape'`` (same colour / glyph or not), ``'pointing'``.
+    ``distances``: ``None`` for the task's range, a number, or a list of numbers that share the
+    images equally. ``background``: ``'plain'`` (the default: a grey level and noise) or
+    ``'texture'`` (colour blobs, stripes and noise). The same seed gives the same data."""
     specs = make_long_range_specs(num, seed=seed, img_size=img_size, distances=distances, attribute=attribute)
     return dict(images=render_long_range(specs, img_size=img_size, background=background),
                 labels=specs["labels"].long(),

@@ -122,12 +122,14 @@ def plot_context(out: Path, context: dict) -> Figure:
         if "attention_distance" not in c:
             continue
         mad = c["attention_distance"].numpy()
-        depth = list(range(1, mad.shape[0] + 1))
+        depth = list(range(mad.shape[0]))  # 0-based, as the report's blocks.i names
         for h in range(mad.shape[1]):
             ax[0].scatter(depth, mad[:, h], s=14, color="C0", alpha=0.6, label="heads" if h == 0 else None)
         ax[0].plot(depth, mad.mean(1), "C0-", label="mean over heads")
         ax[1].plot(rel, mad.mean(1), "x:", color="C0", label=f"{NAMES[fam]} attention distance")
-    ax[0].set(xlabel="ViT block", ylabel="mean attention distance (px)", title="ViT: attention distance")
+        ax[0].set_xticks(depth)  # whole blocks only
+    ax[0].set(xlabel="ViT block i (blocks.i in report.md)", ylabel="mean attention distance (px)",
+              title="ViT: attention distance")
     ax[1].set(xlabel="relative depth (layer / number of layers)", ylabel="pixels",
               title="Effective receptive field radius (Luo et al. 2016)")
     for a in ax:
@@ -178,8 +180,9 @@ def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
         for h in range(heads):
             ax[i, 2 + h].imshow(c["heads_first"][i, h].numpy(), cmap="viridis")
             ax[i, 2 + heads + h].imshow(c["heads_last"][i, h].numpy(), cmap="viridis")
-    for j, title in enumerate(["image", "rollout"] + [f"block 1 h{h}" for h in range(heads)]
-                              + [f"last h{h}" for h in range(heads)]):
+    last = c["attention_distance"].shape[0] - 1 if "attention_distance" in c else "last"
+    for j, title in enumerate(["image", "rollout"] + [f"blocks.0 h{h}" for h in range(heads)]
+                              + [f"blocks.{last} h{h}" for h in range(heads)]):
         ax[0, j].set_title(title, fontsize=8)
     for a in ax.flat:
         a.axis("off")

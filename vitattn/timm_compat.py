@@ -115,9 +115,9 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
     """Keyword arguments for ``timm.models.vision_transformer.VisionTransformer`` that build the
     timm twin of a config."""
     c = config
-    if (c.score != "scaled_dot" or c.logit_floor is not None or c.window_block_indexes
+    if (c.score != "scaled_dot" or c.window_block_indexes
             or c.pos_embed in ("sincos1d", "sincos2d") or c.use_rot_pos_emb):
-        raise ValueError("timm has no twin for score / logit_floor / window / sincos / rotary options")
+        raise ValueError("timm has no twin for score / window / sincos / rotary options")
     # weight_init and patch_init only choose starting weights, which to_timm copies anyway
     return dict(
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,

@@ -68,7 +68,6 @@ class ViTConfig:
     attn_drop_rate: float = 0.0  # dropout on attention weights
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly to this in the last block
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
-    logit_floor: float | None = None  # least spread of each query's attention scores; None = none
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
     weight_init: str = ""  # '' (timm's default), 'jax' (timm's, as the JAX ViT) or 'mimetic' (attention as if trained)
@@ -94,8 +93,6 @@ class ViTConfig:
             check_bool("fc_norm", self.fc_norm)
         if self.score not in SCORES:
             raise ValueError(f"unknown score {self.score!r}; expected one of {SCORES}")
-        if self.logit_floor is not None:
-            check_float("logit_floor", self.logit_floor, 0.0, low_open=True)
         bad = [i for i in self.window_block_indexes if not (isinstance(i, int) and 0 <= i < self.depth)]
         if bad:
             raise ValueError(f"window_block_indexes must be block indices in 0..{self.depth - 1}, got {bad}")
@@ -156,7 +153,7 @@ class ViT(nn.Module):
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth, linear rule
         self.blocks = nn.ModuleList(
             Block(c.embed_dim, c.num_heads, mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm,
-                  score=c.score, logit_floor=c.logit_floor, proj_drop=c.proj_drop_rate, attn_drop=c.attn_drop_rate,
+                  score=c.score, proj_drop=c.proj_drop_rate, attn_drop=c.attn_drop_rate,
                   init_values=c.init_values, drop_path=dpr[i],
                   window_size=c.window_size if i in c.window_block_indexes else None)
             for i in range(c.depth)

@@ -1,0 +1,250 @@
+"""Build the curated result tables from the raw run files.
+
+    python -m results.build            # writes results/*.csv and the tables in README.md and docs/
+    python -m results.build --check    # exits 1 if any of them is out of date (the test suite runs this)
+
+Sources: ``docs/results/*_summary.json`` (one ``train_cifar.py`` run each) and
+``*_summaries.json`` (several runs' summaries joined under a key), and the step-speed JSONs of
+``benchmarks/`` in ``benchmarks/results/``. Outputs, one CSV per study:
+
+- ``results/cifar10.csv``: every CIFAR-10 run, one row per model;
+- ``results/long_range.csv``: every long-range run, one row per model;
+- ``results/step_speed.csv``: training-step speed against the peers (bench_vit) and fp32 against
+  bf16 (precision_step);
+
+and the tables between ``<!-- results:NAME:begin -->`` / ``<!-- results:NAME:end -->`` markers in
+README.md and docs/*.md, built from the CSV rows that ``TABLES[NAME]`` names. A row's ``command`` is the
+``train_cifar.py`` command that reproduces it (options that differ from today's defaults; the data
+path written as ``path/to/cifar10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RAW = ROOT / "docs" / "results"
+BENCH = ROOT / "benchmarks" / "results"
+OUT = ROOT / "results"
+# machine tags in the raw files' names -> what the hardware is
+MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EPYC VM, AVX-512",
+            "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX"}
+RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
+               "seed", "accuracy", "best_accuracy", "accuracy_tta", "images_per_s", "train_min", "params", "hardware",
+               "torch", "git_commit", "command")
+SPEED_COLUMNS = ("source", "case", "library", "precision", "batch", "images_per_s", "ratio", "hardware", "torch",
+                 "command")
+# The tables of README.md and docs/*.md, between <!-- results:NAME:begin --> and <!-- results:NAME:end -->.
+# A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
+LR = "longrange_alignment_plain_"
+SEEDS = tuple(range(10))
+TABLES = {
+    "readme": (
+        ("CIFAR-10, 30 min", "cifar10", "cifar10_cnn_cifar_whiten_budget30_xeon2amx", "cnn", "small CNN"),
+        ("CIFAR-10, 30 min", "cifar10", "cifar10_vit_cifar_small_patch4_mlp4_depth8_budget30_xeon2amx", "vit",
+         "ViT"),
+        ("CIFAR-10, 10 epochs", "cifar10", "cifar10_cnn_cifar_whiten_epochs10_epyc2", "cnn", "small CNN"),
+        ("CIFAR-10, 10 epochs", "cifar10", ("cifar10_vit_cifar_small_patch4_mlp4_depth8_epochs10_xeon2amx",
+                                            "cifar10_vit_cifar_small_patch4_mlp4_depth8_epochs10_seed1_xeon2amx"),
+         "vit", "ViT"),
+        ("long range", "long_range", tuple(f"{LR}gap_rope_xeon2amx/seed{k}_rope_sincos" for k in SEEDS), "vit",
+         "2-block ViT"),
+        ("long range", "long_range", f"{LR}cnn_cifar_gap_epochs3_epyc2x512", "cnn", "small CNN"),
+        ("long range", "long_range", f"{LR}bof_local_gap_recipe_epochs3_epyc2x512", "cnn",
+         "bag of local features (control)"),
+    ),
+    "long_range": (
+        ("default: 2 blocks, sin-cos table + rotary codes", "long_range",
+         tuple(f"{LR}gap_rope_xeon2amx/seed{k}_rope_sincos" for k in SEEDS), "vit", "ViT"),
+        ("2 blocks, sin-cos table alone", "long_range",
+         (*(f"{LR}vit_cifar_shallow_patch4_gap_sincos_epochs6{'' if k == 0 else f'_seed{k}'}_epyc2x512"
+            for k in range(5)), *(f"{LR}gap_heads_xeon2amx/seed{k}_default" for k in range(5, 10))), "vit", "ViT"),
+        ("2 blocks, rotary codes, no table", "long_range",
+         (f"{LR}gap_rope_xeon2amx/seed2_rope_notable", f"{LR}gap_rope_xeon2amx/seed7_rope_notable"), "vit", "ViT"),
+        ("1 block + rotary codes", "long_range",
+         tuple(f"{LR}gap_depth_rope_xeon2amx/dr_vit1_rope_s{k}" for k in (0, 1)), "vit", "ViT"),
+        ("1 block, attention windows of one patch (no mixing)", "long_range",
+         tuple(f"{LR}gap_depth_budget3_epyc2x512/d_vit1_nomix_s{k}" for k in (0, 1)), "vit", "ViT"),
+        ("1 stage (10-px field)", "long_range", tuple(f"{LR}gap_depth_budget3_epyc2x512/d_cnn1_s{k}" for k in (0, 1)),
+         "cnn", "CNN"),
+        ("2 stages", "long_range", tuple(f"{LR}gap_depth_budget3_epyc2x512/d_cnn2_s{k}" for k in (0, 1)), "cnn",
+         "CNN"),
+        ("default: 3 stages", "long_range", f"{LR}cnn_cifar_gap_epochs3_epyc2x512", "cnn", "CNN"),
+        ("local features, no positions", "long_range", f"{LR}bof_local_gap_recipe_epochs3_epyc2x512", "cnn",
+         "control"),
+    ),
+    "cifar10": (
+        ("30 min", "cifar10", "cifar10_cnn_cifar_whiten_budget30_xeon2amx", "cnn", "small CNN"),
+        ("30 min", "cifar10", "cifar10_vit_cifar_small_patch4_mlp4_depth8_budget30_xeon2amx", "vit", "ViT"),
+        ("30 min", "cifar10", "cifar10_cnn_cifar_whiten_budget30_epyc2", "cnn", "small CNN"),
+        ("10 epochs", "cifar10", "cifar10_cnn_cifar_whiten_epochs10_epyc2", "cnn", "small CNN"),
+        ("10 epochs", "cifar10", ("cifar10_vit_cifar_small_patch4_mlp4_depth8_epochs10_xeon2amx",
+                                  "cifar10_vit_cifar_small_patch4_mlp4_depth8_epochs10_seed1_xeon2amx"), "vit", "ViT"),
+        ("10 epochs, widths 64/256/256", "cifar10", "cifar10_cnn_cifar_whiten_w256_epochs10_xeon2amx", "cnn",
+         "small CNN"),
+    ),
+}
+
+
+def machine(name: str) -> str:
+    tag = next((t for t in sorted(MACHINES, key=len, reverse=True) if f"_{t}" in name), None)
+    return MACHINES.get(tag, "unknown")
+
+
+def command(config: dict, family: str) -> str:
+    """The train_cifar.py command of a saved config: the options that differ from today's defaults."""
+    import train_cifar
+
+    defaults = {f.name: f.default for f in dataclasses.fields(train_cifar.Config)}
+    skip = {"out", "resume", "progress", "plots", "model", "vit_preset" if family != "vit" else "",
+            "cnn_preset" if family == "vit" else "", "vit_kwargs" if family != "vit" else "",
+            "cnn_kwargs" if family == "vit" else ""}
+    parts = ["python train_cifar.py", f"--model {family}"]
+    if config.get("dataset", "cifar10") == "cifar10":
+        skip |= {k for k in defaults if k.startswith("long_range_")}  # options of the other data set
+    for k, v in config.items():
+        if k in skip or k not in defaults or v == defaults[k] or v is None:
+            continue
+        if k == "context_images" and v == 128:  # today's default (None) takes 128 test images too
+            continue
+        if isinstance(v, float):
+            v = f"{v:g}"
+        flag = "--" + k.replace("_", "-")
+        if k == "data_dir":
+            v = "path/to/cifar10"
+        if isinstance(v, bool):
+            parts.append(flag if v else f"--no-{flag[2:]}")
+        else:
+            parts.append(f"{flag} '{v}'" if isinstance(v, str) and ("{" in v or " " in v) else f"{flag} {v}")
+    return " ".join(parts)
+
+
+def run_rows(name: str, s: dict) -> list[dict]:
+    cfg, env = s["config"], s.get("environment", {})
+    rows = []
+    for family, m in s["models"].items():
+        recipe = m.get("recipe", {})
+        rows.append({
+            "run": name, "model": family, "preset": m.get("preset"),
+            "model_kwargs": cfg.get("vit_kwargs" if family == "vit" else "cnn_kwargs", "{}"),
+            "optimizer": recipe.get("optimizer"), "lr": recipe.get("lr"), "batch_size": recipe.get("batch_size"),
+            "epochs": round(m["epochs"], 2), "budget_min": cfg.get("time_budget"), "seed": cfg.get("seed"),
+            "accuracy": round(m["final_acc"], 4), "best_accuracy": round(m.get("best_acc", m["final_acc"]), 4),
+            "accuracy_tta": round(m["final_acc_tta"], 4) if "final_acc_tta" in m else None,
+            "images_per_s": round(m["images_per_s"], 1), "train_min": round(m["train_seconds"] / 60, 2),
+            "params": m.get("params"), "hardware": machine(name), "torch": env.get("torch"),
+            "git_commit": (env.get("git_commit") or "")[:10], "command": command(cfg, family)})
+    return rows
+
+
+def runs() -> dict[str, list[dict]]:
+    """Every run's rows, by study."""
+    studies: dict[str, list[dict]] = {"cifar10": [], "long_range": []}
+    for path in sorted(RAW.glob("*_summary.json")) + sorted(RAW.glob("*_summaries.json")):
+        data = json.loads(path.read_text())
+        stem = path.name.removesuffix("_summary.json").removesuffix("_summaries.json")
+        pairs = [(stem, data)] if "models" in data else [(f"{stem}/{k}", v) for k, v in data.items()]
+        sibling = RAW / f"{stem}_config.json"  # early runs kept the config beside the summary only
+        for name, s in pairs:
+            if not isinstance(s, dict) or s.get("status") != "ok" or not s.get("models"):
+                continue
+            if "config" not in s:
+                s = {**s, "config": json.loads(sibling.read_text()) if sibling.exists() else {}}
+            study = "cifar10" if s["dataset"] == "cifar10" else "long_range"
+            studies[study] += run_rows(name, s)
+    return studies
+
+
+def speed_rows() -> list[dict]:
+    rows = []
+    for path in sorted(BENCH.glob("*.json")):
+        d = json.loads(path.read_text())
+        if "rows" in d:  # bench_vit.py: each library per case, interleaved rounds
+            env = d["env"]
+            for r in d["rows"]:
+                rows.append({"source": path.name, "case": r["case"] + (" compiled" if r.get("compiled") else ""),
+                             "library": r["lib"], "precision": "fp32", "batch": r["batch"],
+                             "images_per_s": round(r["img_per_s"], 1), "ratio": round(r.get("ratio_best_peer") or 1, 3),
+                             "hardware": machine(path.stem), "torch": env["versions"]["torch"],
+                             "command": "python " + d["command"]})
+        elif "models" in d and "gemm_gflops" in d:  # precision_step.py: fp32 against bf16 / fp16
+            for family, m in d["models"].items():
+                for precision, p in m["precisions"].items():
+                    rows.append({"source": path.name, "case": f"{family} step ({m['preset']})", "library": "vitattn",
+                                 "precision": precision, "batch": m["batch"], "images_per_s": round(p["img_per_s"], 1),
+                                 "ratio": round(p["vs_fp32"], 3), "hardware": machine(path.stem),
+                                 "torch": d["environment"]["torch"], "command": d["command"]})
+    return rows
+
+
+def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, columns, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def table(name: str, studies: dict[str, list[dict]]) -> str:
+    """``TABLES[name]`` as markdown; a row of several runs gives the range of their accuracies."""
+    lines = ["| task | model | epochs | test accuracy | seeds | img/s | hardware | command (first seed) |",
+             "|---|---|---:|---:|---|---:|---|---|"]
+    for task, study, runs_, family, what in TABLES[name]:
+        runs_ = (runs_,) if isinstance(runs_, str) else runs_
+        rows = [r for run in runs_ for r in studies[study] if r["run"] == run and r["model"] == family]
+        if len(rows) != len(runs_):
+            raise SystemExit(f"table {name!r} names runs that results/{study}.csv does not hold: {runs_}")
+        acc = [100 * r["accuracy"] for r in rows]
+        accuracy = (f"{acc[0]:.1f}%" if len(acc) == 1
+                    else f"{min(acc):.1f}-{max(acc):.1f}% (mean {sum(acc) / len(acc):.1f})")
+        speed = sum(r["images_per_s"] for r in rows) / len(rows)
+        epochs = sorted({r["epochs"] for r in rows})
+        hardware = " / ".join(sorted({r["hardware"] for r in rows}))
+        kwargs = "" if rows[0]["model_kwargs"] in ("{}", "", None) else f" `{rows[0]['model_kwargs']}`"
+        lines.append(f"| {task} | {what} (`{rows[0]['preset']}`{kwargs}) | "
+                     f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'} | {accuracy} | "
+                     f"{', '.join(str(r['seed']) for r in rows)} | {speed:.0f} | "
+                     f"{hardware} | `{rows[0]['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def outputs() -> dict[Path, str]:
+    studies = runs()
+    files = {OUT / f"{study}.csv": to_csv(rows, RUN_COLUMNS) for study, rows in studies.items()}
+    files[OUT / "step_speed.csv"] = to_csv(speed_rows(), SPEED_COLUMNS)
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        text = page.read_text()
+        for name in TABLES:
+            begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
+            if begin in text and end in text:
+                head, rest = text.split(begin, 1)
+                text = head + begin + table(name, studies) + end + rest.split(end, 1)[1]
+        files[page] = text
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only say whether the outputs are up to date")
+    a = p.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        if not path.exists() or path.read_text() != text:
+            stale.append(path.relative_to(ROOT))
+            if not a.check:
+                path.write_text(text)
+    if a.check and stale:
+        print(f"out of date: {', '.join(map(str, stale))}; run python -m results.build", file=sys.stderr)
+        return 1
+    print("updated: " + ", ".join(map(str, stale)) if stale else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
