@@ -46,23 +46,22 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "vit_cifar_shallow_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3,
                                                         mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
                                             "vitattn: vit_cifar_patch4_gap_sincos with two blocks, ~0.6M params: the "
-                                            "long-range default (six blocks stayed near chance for three epochs)"),
+                                            "long-range ViT without rotary codes (a comparison row of context.md)"),
     "vit_cifar_shallow_patch4_rope_gap_sincos": (
         "vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=10,
                     use_rot_pos_emb=True, **_GAP_SINCOS),
-        "vitattn: vit_cifar_shallow_patch4_gap_sincos with 2-D rotary codes on q and k beside the sin-cos table, "
-        "the same weights: the long-range default (it leaves chance on the seeds the table alone does not)"),
+        "vitattn: the long-range ViT (train_cifar's long-range default): two blocks, a mean read-out, a 2-D "
+        "sin-cos table and 2-D rotary codes on q and k"),
     "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                            mlp_ratio=2.0, num_classes=10),
                                "vitattn: vit_cifar_patch4 at width 128, ~0.8M params: more epochs per CPU minute"),
     "vit_cifar_small_patch4_mlp4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
                                                 mlp_ratio=4.0, num_classes=10),
-                                    "vitattn: vit_cifar_small_patch4 with timm's 4x MLP, ~1.2M params: more per epoch "
-                                    "at ten epochs than the 2x MLP (docs/training.md)"),
+                                    "vitattn: vit_cifar_small_patch4 with timm's 4x MLP, ~1.2M params"),
     "vit_cifar_small_patch4_mlp4_depth8": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=8,
                                                        num_heads=4, mlp_ratio=4.0, num_classes=10),
-                                           "vitattn: vit_cifar_small_patch4_mlp4 with eight blocks, ~1.6M params: "
-                                           "the CIFAR-10 default (more per epoch at ten epochs, docs/training.md)"),
+                                           "vitattn: the CIFAR-10 ViT (train_cifar's default): eight blocks of "
+                                           "width 128, 4x MLP, ~1.6M params"),
     "vit_cifar_lee_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=12,
                                          mlp_ratio=2.0, num_classes=10),
                              "Lee et al. 2021, 'ViT for small-size datasets' baseline (2.7M params)"),
@@ -74,17 +73,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, **_AIRBENCH),
                   "airbench94's network shape (Jordan 2024), ~2M params"),
     "cnn_cifar_gap": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, global_pool="avg", **_AIRBENCH),
-                      "vitattn: cnn_cifar read out by a mean over places (logits add up over places)"),
+                      "vitattn: the long-range CNN (train_cifar's long-range default): cnn_cifar read out by a "
+                      "mean over places"),
     "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
                        "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params"),
     "cnn_cifar_whiten": ("cnn", dict(stem="whiten", stem_width=24, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                         "vitattn: cnn_cifar_fast's stages after airbench's frozen 2x2 whitening stem "
-                         "(31x31 maps, so every later layer is cheaper), ~1.2M params"),
+                         "vitattn: the CIFAR-10 CNN (train_cifar's default): cnn_cifar_fast's stages after "
+                         "airbench's frozen 2x2 whitening stem, ~1.2M params"),
     "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
                         "vitattn: a quarter-width cnn_cifar for quick runs"),
     # The control for the long-range task: local features pooled without their positions.
     "bof_local": ("bof", dict(width=64, hidden=64, num_classes=2),
-                  "vitattn: two 3x3 convs, global mean + max pool, an MLP (a BagNet-style control)"),
+                  "vitattn: the long-range control: two 3x3 convs, global mean + max pool, an MLP "
+                  "(BagNet-style local features without their positions)"),
 }
 
 _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}
