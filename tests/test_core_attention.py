@@ -250,3 +250,31 @@ def test_qk_norm_attention_does_not_depend_on_the_scale_of_the_qk_weights():
             assert (after - 1 / 6).abs().max() < (before - 1 / 6).abs().max() / 10
 
 
+
+
+# -- the readable class -------------------------------------------------------------------------
+def test_the_readable_attention_class_equals_its_fused_path_timms_attention_and_the_full_layer():
+    """Attention is the whole computation in one screen: its explicit path (scores, softmax,
+    weighted sum) equals its fused kernel, timm's Attention with the same weights, and the
+    full-featured MultiHeadAttention the ViT uses, in outputs and gradients."""
+    from vitattn.attention import Attention
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    plain = Attention(32, num_heads=4, qkv_bias=True).eval()
+    out_explicit, weights = plain(x, return_attention=True)
+    out_fused = plain(x)
+    torch.testing.assert_close(out_fused, out_explicit, atol=1e-5, rtol=1e-5)
+    assert weights.shape == (2, 4, 7, 7) and torch.allclose(weights.sum(-1), torch.ones(2, 4, 7))
+    (g_fused,) = torch.autograd.grad(out_fused.square().sum(), x)
+    (g_explicit,) = torch.autograd.grad(out_explicit.square().sum(), x)
+    torch.testing.assert_close(g_fused, g_explicit, atol=1e-5, rtol=1e-5)
+
+    full = MultiHeadAttention(32, num_heads=4, qkv_bias=True).eval()
+    full.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(full(x), out_fused)
+
+    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    theirs = timm_vit.Attention(32, num_heads=4, qkv_bias=True).eval()
+    theirs.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(theirs(x), out_fused, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ backbones for torchvision's detectors), ``vitattn.init`` (mimetic and whitening 
 """
 
 from . import context, data, detection, init, longrange, report, train
-from .attention import SCORES, MultiHeadAttention, window_mask
+from .attention import SCORES, Attention, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN, whitening_filters
 from .patch_embed import PatchEmbed, patchify, unpatchify
@@ -26,7 +26,7 @@ from .vit import ViT, ViTConfig
 __version__ = "0.1.0"
 
 __all__ = [
-    "SCORES", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
+    "SCORES", "Attention", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
     "apply_rope", "patchify", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
     "to_timm_state_dict",

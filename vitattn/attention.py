@@ -21,6 +21,11 @@ general       q^T W k                      Luong et al. 2015; W per head, starts
 additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attention)
 ============  ===========================  ==========================================
 
+:class:`Attention` is that computation and nothing else, in one screen: the ``qkv`` projection,
+the heads, the score, the softmax, the weighted sum, the join. :class:`MultiHeadAttention` adds
+around it what the ViT, the study and detection use: the other score functions,
+cross-attention, masks, rotary position codes and window attention.
+
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
@@ -62,25 +67,93 @@ def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch
     return mask
 
 
-class MultiHeadAttention(nn.Module):
-    """``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
+class Attention(nn.Module):
+    """Multi-head self-attention as it is taught: ``(B, N, dim) -> (B, N, dim)``.
 
-    Args:
-        dim: width of the query tokens ``x``.
-        num_heads: number of parallel attentions.
-        hidden_dim: total width of Q, K and V (``heads * d``); defaults to ``dim``.
+    Q, K and V are three linear maps of the same tokens (one ``qkv`` layer); the width splits into
+    ``num_heads`` attentions of width ``d`` that run side by side; each query scores every key
+    with ``q . k / sqrt(d)``, a softmax turns the scores into weights, the weighted sum of the
+    values is the output, and ``proj`` joins the heads. :meth:`attend` holds the readable path and
+    the fused kernel beside it; tests hold them equal. The parameter names are timm's.
+    :class:`MultiHeadAttention` composes the variants around this class.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, out_dim: int | None = None,
+                 qkv_bias: bool = False, qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 fused: bool = True, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        hidden_dim = hidden_dim or dim
+        if hidden_dim % num_heads:
+            raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = d = hidden_dim // num_heads
+        self.hidden_dim = hidden_dim
+        self.scale = d**-0.5
+        self.fused = fused  # use the fused kernel wherever it computes the same thing
+        self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
+        self.q_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()  # Dehghani et al. 2023
+        self.k_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(hidden_dim, out_dim or hidden_dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens -> per-head ``q, k, v``, each ``(B, heads, N, d)`` (views, no copies)."""
+        # Split q, k, v where they lie (axis 2) and only then move heads forward: the backward
+        # stacks the three gradients straight into qkv's layout, one copy where unbinding a
+        # 'three b h n d' view takes two (a stack, then a permuted clone).
+        qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=self.num_heads)
+        q, k, v = (rearrange(t, "b n h d -> b h n d") for t in qkv.unbind(2))
+        return self.q_norm(q), self.k_norm(k), v
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The Q-K score, ``(B, heads, Nq, d), (B, heads, Nk, d) -> (B, heads, Nq, Nk)``."""
+        return (q * self.scale) @ k.transpose(-2, -1)
+
+    def fused_query(self, q: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """``q`` and the scale that make the fused kernel's ``q . k * scale`` equal :meth:`scores`;
+        ``None`` when no such pair exists."""
+        return q, self.scale
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per head: ``(B, heads, Nq, d) -> (B, heads, Nq, d)``, and the weights when asked.
+        ``mask`` is boolean, True where a query may attend to a key, broadcastable to
+        ``(B, heads, Nq, Nk)``."""
+        fused = self.fused_query(q) if self.fused and not need_weights else None
+        if fused is not None:  # the same computation in one kernel, without the N x N weights
+            drop = self.attn_drop.p if self.training else 0.0
+            return F.scaled_dot_product_attention(fused[0], k, v, attn_mask=mask, dropout_p=drop, scale=fused[1]), None
+        s = self.scores(q, k)  # the readable path: score, mask, softmax, weighted sum
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        weights = s.softmax(dim=-1)
+        return self.attn_drop(weights) @ v, weights
+
+    def join_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """``(B, heads, N, d) -> (B, N, out_dim)``: concatenate the heads, project, drop."""
+        return self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+
+    def forward(self, x: torch.Tensor, *, return_attention: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.project_qkv(x)
+        out, weights = self.attend(q, k, v, need_weights=return_attention)
+        out = self.join_heads(out)
+        return (out, weights) if return_attention else out
+
+
+class MultiHeadAttention(Attention):
+    """:class:`Attention` with the variants the ViT, the study and detection use:
+    ``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
+
+    Args (besides :class:`Attention`'s):
         context_dim: width of the tokens keys/values come from in cross-attention, when it
             differs from ``dim``; then ``q`` and ``kv`` are separate projections, else one ``qkv``.
-        out_dim: output width; defaults to ``hidden_dim``.
-        score: one of ``SCORES``.
-        qkv_bias: bias in the Q, K, V projections.
-        qk_norm: LayerNorm over each head's q and k (Dehghani et al. 2023).
-        attn_drop, proj_drop: dropout on the weights and on the output.
+        score: one of ``SCORES`` (the score function: what tells attention mechanisms apart).
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
             ``grid`` in ``forward``. ``None`` is global attention.
         additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
-        fused: use the fused kernel wherever it computes the same thing (``False``: always the
-            explicit path).
+    Masks, rotary codes and the prefix tokens are arguments of :meth:`forward`.
     """
 
     def __init__(
@@ -101,27 +174,17 @@ class MultiHeadAttention(nn.Module):
         fused: bool = True,
         norm_eps: float = 1e-6,
     ) -> None:
-        super().__init__()
-        hidden_dim = hidden_dim or dim
-        if hidden_dim % num_heads:
-            raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {num_heads}")
         if score not in SCORES:
             raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
-        self.num_heads = num_heads
-        self.head_dim = d = hidden_dim // num_heads
-        self.hidden_dim = hidden_dim
-        self.scale = d**-0.5
+        super().__init__(dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                         attn_drop=attn_drop, proj_drop=proj_drop, fused=fused, norm_eps=norm_eps)
+        d, hidden_dim = self.head_dim, self.hidden_dim
         self.score = score
-        self.fused = fused
         self.window_size = to_2tuple(window_size) if window_size is not None else None
-
-        if context_dim is None or context_dim == dim:
-            self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
-        else:
+        if context_dim is not None and context_dim != dim:  # keys and values from other tokens
+            del self.qkv
             self.q = nn.Linear(dim, hidden_dim, bias=qkv_bias)
             self.kv = nn.Linear(context_dim, 2 * hidden_dim, bias=qkv_bias)
-        self.q_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
         if score == "general":
             # W = I / sqrt(d) at start, so 'general' begins as 'scaled_dot' and learns from there.
             self.score_weight = nn.Parameter(torch.eye(d).repeat(num_heads, 1, 1) * self.scale)
@@ -130,15 +193,11 @@ class MultiHeadAttention(nn.Module):
             self.score_q = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
             self.score_k = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
             self.score_v = nn.Parameter(torch.randn(num_heads, a) * a**-0.5)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(hidden_dim, out_dim or hidden_dim)
-        self.proj_drop = nn.Dropout(proj_drop)
 
-    # -- scores -----------------------------------------------------------------------------
+    # -- score functions --------------------------------------------------------------------
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """``(B, heads, Nq, d), (B, heads, Nk, d) -> (B, heads, Nq, Nk)`` before the softmax."""
         if self.score == "scaled_dot":
-            return (q * self.scale) @ k.transpose(-2, -1)
+            return super().scores(q, k)
         if self.score == "dot":
             return q @ k.transpose(-2, -1)
         if self.score == "general":
@@ -148,59 +207,31 @@ class MultiHeadAttention(nn.Module):
         ka = torch.einsum("bhmd,hda->bhma", k, self.score_k)
         return torch.einsum("bhnma,ha->bhnm", torch.tanh(qa[:, :, :, None] + ka[:, :, None]), self.score_v)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        need_weights: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-head attention: ``(B, heads, Nq, d) -> (B, heads, Nq, d)`` and the weights if asked.
-
-        ``mask`` is boolean, True where a query may attend to a key, broadcastable to
-        ``(B, heads, Nq, Nk)``.
-        """
-        drop = self.attn_drop.p if self.training else 0.0
-        if self.fused and not need_weights and self.score != "additive":
-            scale = {"scaled_dot": self.scale, "dot": 1.0, "general": 1.0}[self.score]
-            if self.score == "general":
-                q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, scale=scale)
-            return out, None
-        # The readable path: score, mask, softmax, weighted sum.
-        s = self.scores(q, k)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        weights = s.softmax(dim=-1)
-        out = self.attn_drop(weights) @ v
-        return out, weights
+    def fused_query(self, q: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        if self.score == "additive":  # not a product of q and k: the explicit path only
+            return None
+        if self.score == "general":  # q^T W k = (W^T q) . k: fold W into the query
+            return torch.einsum("bhnd,hde->bhne", q, self.score_weight), 1.0
+        return q, {"scaled_dot": self.scale, "dot": 1.0}[self.score]
 
     # -- forward ----------------------------------------------------------------------------
-    def project_qkv(
-        self, x: torch.Tensor, context: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens -> per-head ``q, k, v`` of shape ``(B, heads, N, d)`` (views, no copies)."""
+    def project_qkv(self, x: torch.Tensor, context: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens (and ``context`` for keys and values) -> per-head ``q, k, v`` ``(B, heads, N, d)``."""
+        if context is None and hasattr(self, "qkv"):
+            return super().project_qkv(x)
         h = self.num_heads
-        if hasattr(self, "qkv"):
-            if context is None:
-                # Split q, k, v where they lie (axis 2) and only then move heads forward: the
-                # backward stacks the three gradients straight into qkv's layout, one copy where
-                # unbinding a 'three b h n d' view takes two (a stack, then a permuted clone).
-                qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=h)
-                q, k, v = (rearrange(t, "b n h d -> b h n d") for t in qkv.unbind(2))
-            else:
-                w, b = self.qkv.weight, self.qkv.bias
-                hd = self.hidden_dim
-                q = F.linear(x, w[:hd], None if b is None else b[:hd])
-                kv = F.linear(context, w[hd:], None if b is None else b[hd:])
-                q = rearrange(q, "b n (h d) -> b h n d", h=h)
-                k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
+        if hasattr(self, "qkv"):  # one qkv layer, keys and values taken from the context
+            w, b = self.qkv.weight, self.qkv.bias
+            hd = self.hidden_dim
+            q = F.linear(x, w[:hd], None if b is None else b[:hd])
+            kv = F.linear(context, w[hd:], None if b is None else b[hd:])
         else:
             if context is None:
                 raise ValueError("this attention was built with context_dim for cross-attention; pass context=")
-            q = rearrange(self.q(x), "b n (h d) -> b h n d", h=h)
-            k, v = rearrange(self.kv(context), "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
+            q, kv = self.q(x), self.kv(context)
+        q = rearrange(q, "b n (h d) -> b h n d", h=h)
+        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
     def forward(
@@ -251,7 +282,7 @@ class MultiHeadAttention(nn.Module):
                 out, weights = self._window_attend(q, k, v, grid, num_prefix_tokens), None
         else:
             out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
-        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+        out = self.join_heads(out)
         return (out, weights) if return_attention else out
 
     @staticmethod
