@@ -45,13 +45,13 @@ from vitattn.cli import (
     build_parser,
     check_fields,
     option,
+    overrides_of,
     parse_config,
     resumed_config,
     run_cli,
     run_folder,
 )
 from vitattn.data import (
-    PADDING_MODES,
     Augment,
     BatchLoader,
     DataError,
@@ -68,7 +68,6 @@ from vitattn.train import (
     AMP_DTYPES,
     DATASET_RECIPES,
     DEFAULT_PRESETS,
-    OPTIMIZERS,
     RECIPES,
     CheckpointError,
     Dist,
@@ -108,7 +107,7 @@ from vitattn.train import (
 
 
 @dataclass
-class Config:
+class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
     vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
     cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
@@ -131,29 +130,6 @@ class Config:
     limit_test: int | None = option(None, "use only the first N test images")
     epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
     time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
-    optimizer: str | None = option(None, "'adamw', 'sgd' or 'muon' (Muon on the ViT blocks' matrices, AdamW on "
-                                   "the rest); default: the recipe's", choices=OPTIMIZERS)
-    batch_size: int | None = option(None, "images per step, global: split evenly over the processes of a torchrun "
-                                    "(default: the recipe's)")
-    lr: float | None = option(None, "peak learning rate")
-    weight_decay: float | None = option(None, "weight decay (not on biases, norms, position tables)")
-    warmup: float | None = option(None, "fraction of the run spent warming up the lr, in [0, 1)")
-    warmup_lr: float | None = option(None, "lr at the start of the warmup (default: the recipe's, 0)")
-    min_lr: float | None = option(None, "lr at the end of the decay (default: the recipe's, 0)")
-    momentum: float | None = option(None, "SGD's (Nesterov) momentum, or AdamW's beta1, in [0, 1)")
-    label_smoothing: float | None = option(None, "cross-entropy target smoothing, in [0, 1)")
-    grad_clip: float | None = option(None, "max gradient norm; 0 = off", aliases=("--clip-grad",))
-    bias_lr_scale: float | None = option(None, "lr multiplier for biases and other parameters without weight decay")
-    model_ema_decay: float | None = option(None, "keep and report an exponential moving average of the weights "
-                                           "with this decay, in [0, 1); 0 = off")
-    lookahead_decay: float | None = option(None, "airbench's lookahead: pull the weights back to a slow average "
-                                           "every 5 steps from 30%% of the run on, with this base decay (airbench: "
-                                           "0.95), in [0, 1); 0 = off")
-    translate: int | None = option(None, "augmentation: max shift in pixels")
-    cutout: int | None = option(None, "augmentation: zeroed square side in pixels; 0 = off")
-    padding_mode: str | None = option(None, "augmentation: what a shift brings in at the border, zeros "
-                                      "('constant') or the mirrored image ('reflect'); default: the recipe's",
-                                      choices=PADDING_MODES)
     flip: bool = option(True, "augmentation: random horizontal mirror")
     seed: int = option(0, "seed for weights, batches and augmentation")
     amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
@@ -176,7 +152,7 @@ class Config:
     POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
     NON_NEGATIVE = ("weight_decay", "warmup_lr", "min_lr", "grad_clip", "translate", "cutout", "seed")
-    FRACTION = ("warmup", "momentum", "label_smoothing", "model_ema_decay", "lookahead_decay")  # in [0, 1)
+    FRACTION = ("warmup", "momentum", "beta2", "label_smoothing", "model_ema_decay", "lookahead_decay")  # in [0, 1)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -28,9 +28,20 @@ class UsageError(ValueError):
     """A bad option or a run folder that cannot be used: exit status 2, nothing written."""
 
 
-def option(default: Any, help: str, **meta: Any) -> Any:
+def option(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> Any:
     """A config field with its ``--help`` text; ``choices`` and ``aliases`` (other flags) in ``meta``."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def overrides_of(cls: type, skip: tuple[str, ...] = (), note: str = "") -> type:
+    """A dataclass with a field ``name: T | None = None`` for each field of the dataclass ``cls``
+    (less ``skip``), its help (plus ``note``), choices and aliases copied: options that, when
+    given, override what ``cls`` holds. A script's config inherits it, so each option is declared
+    once, in ``cls``."""
+    fields_ = [(f.name, f"{f.type} | None", dataclasses.field(
+        default=None, metadata={**f.metadata, "help": f.metadata.get("help", "") + note}))
+        for f in dataclasses.fields(cls) if f.name not in skip]
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields_)
 
 
 def check_fields(cfg: Any) -> None:

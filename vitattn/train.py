@@ -35,36 +35,47 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .cli import Signalled
+from .cli import Signalled, option
 
 # ---------------------------------------------------------------------------------------------
 # Recipes: how each model family trains by default
 # ---------------------------------------------------------------------------------------------
 
+OPTIMIZERS = ("adamw", "sgd", "muon")
+
 
 @dataclass
 class Recipe:
-    """How one model family trains; every field can be overridden from the command line."""
+    """How one model family trains. Each field is also a ``train_cifar.py`` option (its help text
+    is here, declared once); a value given there overrides the family's recipe."""
 
-    optimizer: str  # 'adamw', 'sgd' (Nesterov) or 'muon' (Muon on the blocks' matrices, AdamW on the rest)
-    batch_size: int  # images per optimiser step, summed over ranks
-    lr: float  # peak learning rate
-    weight_decay: float  # decoupled (AdamW) or L2 (SGD); not on biases, norms, position tables
-    warmup: float  # fraction of the run spent ramping the lr linearly from 0
-    decay: str  # 'cosine' or 'linear' to 0 after warmup
-    label_smoothing: float  # target smoothing for the cross-entropy
-    grad_clip: float  # max global gradient norm; 0 = off
-    translate: int  # max random shift in pixels
-    cutout: int  # side of a zeroed square in pixels; 0 = off
-    epochs: float  # passes over the training set when neither epochs nor a time budget is given
-    momentum: float = 0.9  # SGD momentum, or AdamW's beta1
-    beta2: float = 0.999  # AdamW's beta2
-    bias_lr_scale: float = 1.0  # lr multiplier for the parameters without weight decay (airbench's bias_scaler)
-    model_ema_decay: float = 0.0  # decay of an EMA of the weights that is evaluated and kept (timm's); 0 = off
-    warmup_lr: float = 0.0  # lr at the start of the warmup (timm's --warmup-lr)
-    min_lr: float = 0.0  # lr at the end of the decay (timm's --min-lr)
-    padding_mode: str = "constant"  # what a shift brings in: zeros or the mirrored border ('reflect')
-    lookahead_decay: float = 0.0  # airbench's lookahead (``Lookahead``; its value 0.95); 0 = off
+    optimizer: str = option(help="'adamw', 'sgd' (Nesterov) or 'muon' (Muon on the ViT blocks' matrices, AdamW "
+                                 "on the rest)", choices=OPTIMIZERS)
+    batch_size: int = option(help="images per step, global: split evenly over the processes of a torchrun")
+    lr: float = option(help="peak learning rate")
+    weight_decay: float = option(help="weight decay (decoupled for AdamW, L2 for SGD; not on biases, norms, "
+                                      "position tables)")
+    warmup: float = option(help="fraction of the run spent warming up the lr, in [0, 1)")
+    decay: str = option(help="the lr's decay after the warmup", choices=("cosine", "linear"))
+    label_smoothing: float = option(help="cross-entropy target smoothing, in [0, 1)")
+    grad_clip: float = option(help="max gradient norm; 0 = off", aliases=("--clip-grad",))
+    translate: int = option(help="augmentation: max shift in pixels")
+    cutout: int = option(help="augmentation: zeroed square side in pixels; 0 = off")
+    epochs: float = option(help="passes over the training set when neither epochs nor a time budget is given")
+    momentum: float = option(0.9, "SGD's (Nesterov) momentum, or AdamW's beta1, in [0, 1)")
+    beta2: float = option(0.999, "AdamW's beta2, in [0, 1)")
+    bias_lr_scale: float = option(1.0, "lr multiplier for biases and other parameters without weight decay "
+                                       "(airbench's bias_scaler)")
+    model_ema_decay: float = option(0.0, "keep and report an exponential moving average of the weights with this "
+                                         "decay (timm's --model-ema-decay), in [0, 1); 0 = off")
+    warmup_lr: float = option(0.0, "lr at the start of the warmup (timm's --warmup-lr)")
+    min_lr: float = option(0.0, "lr at the end of the decay (timm's --min-lr)")
+    padding_mode: str = option("constant", "augmentation: what a shift brings in at the border, zeros "
+                                           "('constant') or the mirrored image ('reflect')",
+                               choices=("constant", "reflect"))
+    lookahead_decay: float = option(0.0, "airbench's lookahead (Lookahead): pull the weights back to a slow "
+                                         "average every 5 steps from 30%% of the run on, with this base decay "
+                                         "(airbench: 0.95), in [0, 1); 0 = off")
 
 
 RECIPES: dict[str, Recipe] = {
@@ -139,7 +150,6 @@ def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None
         g["lr"] = lr * g.get("lr_scale", 1.0)
 
 
-OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
