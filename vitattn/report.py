@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import write_text_atomic
 from .context import (
     attention_entropy,
     attention_rollout,
@@ -27,7 +28,6 @@ from .context import (
     mean_attention_distance,
     rollout_map,
 )
-from .train import write_text_atomic
 
 NAMES = {"vit": "ViT", "cnn": "CNN"}
 Figure = tuple[str, str]  # (file name, caption)

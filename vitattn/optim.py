@@ -1,0 +1,259 @@
+"""Optimisers and what steps beside them: parameter groups without weight decay for biases,
+norms and position tables (timm's ``lr_scale`` per group), our own Muon (``torch.optim.Muon``'s
+steps with its Newton-Schulz in fp32 on a CPU), the chain that steps Muon and AdamW as one, an
+EMA of the weights and airbench's lookahead.
+
+References: Jordan et al. 2024 (Muon); airbench94 (lookahead, bias lr scale); timm
+(``param_groups_weight_decay``, ``ModelEmaV3``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .train import Recipe
+
+OPTIMIZERS = ("adamw", "sgd", "muon")
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float = 1.0) -> list[dict]:
+    """Decay matrices and kernels; leave biases, norm scales, tokens and position tables alone.
+
+    Each group carries timm's ``lr_scale``: the loop sets a group's lr to the scheduled lr times it,
+    so ``no_decay_lr_scale`` speeds up the biases alone (airbench trains BatchNorm shifts 64x faster).
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token"))
+        (no_decay if skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "lr_scale": no_decay_lr_scale}]
+
+
+def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None:
+    """Set every group's lr to ``lr`` times its ``lr_scale`` (1 when absent)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
+
+
+def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, run in ``dtype``: pushes the singular values of the
+    2-D ``g`` towards 1 (to roughly 0.5-1.5), keeping its singular vectors (Jordan et al. 2024)."""
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:  # iterate on the wide side: the Gram matrix is the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm: singular values <= 1
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """``torch.optim.Muon``'s per-matrix lr factor; ``'match_rms_adamw'`` gives updates AdamW's RMS."""
+    fan_out, fan_in = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(fan_out / fan_in)
+    return 1.0
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) with ``torch.optim.Muon``'s arguments, defaults, state and
+    checkpoints, and its Newton-Schulz iteration run in ``ns_dtype``.
+
+    torch runs the iteration in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix
+    products and many times slower than fp32 on CPUs without them (docs/training.md).
+    ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with ``torch.bfloat16`` the steps
+    equal torch's bit for bit (tests/test_train.py). Our own class rather than a subclass of
+    ``torch.optim.Muon``, so that the package imports on torch releases older than Muon (2.9).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 ns_dtype: torch.dtype | None = None) -> None:
+        for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not v >= 0:
+                raise ValueError(f"Muon's {name} must be >= 0, got {v}")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw", "spectral_unclamped"):
+            raise ValueError(f"adjust_lr_fn must be None, 'original', 'match_rms_adamw' or 'spectral_unclamped', "
+                             f"got {adjust_lr_fn!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                      ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon steps 2-D weights only, got one of shape {tuple(p.shape)}")
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                dtype = self.ns_dtype or (torch.bfloat16 if p.is_cuda else torch.float32)
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+class OptimizerChain:
+    """Several optimisers stepped as one, each over its own parameters: what a training loop
+    needs of an optimiser (``param_groups``, ``zero_grad``, ``step``, ``state_dict``)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {"chain": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("chain", ())) != len(self.optimizers):
+            raise ValueError(f"expected the state of {len(self.optimizers)} chained optimisers, got "
+                             f"{len(state.get('chain', ()))}")
+        for o, sd in zip(self.optimizers, state["chain"]):
+            o.load_state_dict(sd)
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """Muon orthogonalises matrix updates: the blocks' linear weights. Embeddings, the patch
+    projection, norms, biases and the head keep AdamW (Jordan et al. 2024)."""
+    return p.ndim == 2 and name.startswith("blocks.")
+
+
+def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | OptimizerChain:
+    """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
+    0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
+    and AdamW on the rest."""
+    if r.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {r.optimizer!r}")
+    if r.optimizer == "sgd":
+        return torch.optim.SGD(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr, momentum=r.momentum,
+                               nesterov=True)
+    if r.optimizer == "adamw":
+        return torch.optim.AdamW(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr,
+                                 betas=(r.momentum, r.beta2))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if is_muon_param(n, p)]
+    if not matrices:
+        raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
+    muon = Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    keep = {id(p) for p in matrices}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]}
+            for g in param_groups(model, r.weight_decay, r.bias_lr_scale)]
+    return OptimizerChain(muon, torch.optim.AdamW(rest, lr=r.lr, betas=(r.momentum, r.beta2)))
+
+
+def ema_decay_at(decay: float, n: int) -> float:
+    """The EMA's decay at its ``n``-th update: ``min(decay, (1 + n) / (10 + n))``, so the first
+    updates move fast and the random start does not linger (TensorFlow's ``num_updates`` rule)."""
+    return min(decay, (1 + n) / (10 + n))
+
+
+def model_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
+    """An exponential moving average of ``model``'s weights and buffers (timm's ``--model-ema``).
+
+    ``ema.update_parameters(model)`` after each optimiser step moves every floating tensor
+    towards the model's by ``1 - ema_decay_at(decay, n)`` and copies integer buffers; ``ema.module``
+    is the averaged model, ``ema.state_dict()`` holds it and ``n``.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"the EMA decay must be in (0, 1), got {decay}")
+
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], n: torch.Tensor) -> None:
+        if averaged[0].is_floating_point():  # AveragedModel groups tensors by dtype
+            torch._foreach_lerp_(averaged, current, 1.0 - ema_decay_at(decay, int(n)))
+        else:
+            torch._foreach_copy_(averaged, current)
+
+    return torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+
+
+class Lookahead:
+    """airbench's lookahead: slow weights the fast (optimised) ones are pulled back to.
+
+    From ``start`` of the run on, every ``every`` steps: ``slow <- rho * slow + (1 - rho) * fast``,
+    then ``fast <- slow``, for every floating tensor of the state dict (BatchNorm statistics
+    too), with ``rho = (decay ** every) * progress ** power``, so it barely holds the weights back
+    early and averages strongly at the end (Zhang et al. 2019's Lookahead with a growing step;
+    Jordan 2024). Unlike an EMA that only reads the weights, training continues from the average.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, every: int = 5, power: float = 3.0, start: float = 0.3) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"the lookahead decay must be in (0, 1), got {decay}")
+        self.model, self.decay, self.every, self.power, self.start = model, decay, every, power, start
+        self.slow: dict[str, torch.Tensor] | None = None  # made at the first sync after ``start``
+
+    def _floats(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def step(self, global_step: int, progress: float) -> None:
+        """Call after each optimiser step with the steps taken and the run's progress in [0, 1]."""
+        if progress < self.start or global_step % self.every:
+            return
+        fast = self._floats()
+        if self.slow is None:
+            self.slow = {k: v.detach().clone() for k, v in fast.items()}
+            return
+        rho = self.decay ** self.every * min(progress, 1.0) ** self.power
+        for k, v in fast.items():
+            self.slow[k].lerp_(v, 1.0 - rho)
+            v.copy_(self.slow[k])
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """``fast <- slow`` (airbench does it after every epoch, so the model tested is the average)."""
+        if self.slow is not None:
+            for k, v in self._floats().items():
+                v.copy_(self.slow[k])
+
+    def state_dict(self) -> dict:
+        return {"slow": self.slow}
+
+    def load_state_dict(self, state: dict) -> None:
+        slow, fast = state["slow"], self._floats()  # onto the model's device: checkpoints load on the CPU
+        self.slow = None if slow is None else {k: v.to(fast[k].device) for k, v in slow.items()}
+
+
