@@ -9,6 +9,7 @@ Sources: ``docs/results/*_summary.json`` (one ``train_cifar.py`` run each) and
 
 - ``results/cifar10.csv``: every CIFAR-10 run, one row per model;
 - ``results/long_range.csv``: every long-range run, one row per model;
+- ``results/detection.csv``: the shapes detection experiment (``docs/results/detect_shapes.json``);
 - ``results/step_speed.csv``: training-step speed against the peers (bench_vit) and fp32 against
   bf16 (precision_step);
 
@@ -38,6 +39,8 @@ MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EP
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "images_per_s", "train_min", "params", "hardware",
                "torch", "git_commit", "command")
+DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_size", "train_min", "ap", "ap50",
+                     "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
 SPEED_COLUMNS = ("source", "case", "library", "precision", "batch", "images_per_s", "ratio", "hardware", "torch",
                  "command")
 # The tables of README.md and docs/*.md, between <!-- results:NAME:begin --> and <!-- results:NAME:end -->.
@@ -183,6 +186,33 @@ def speed_rows() -> list[dict]:
     return rows
 
 
+def detection_rows() -> list[dict]:
+    """The shapes experiment (examples/detect_shapes.py), one row per backbone."""
+    d = json.loads((RAW / "detect_shapes.json").read_text())
+    c = d["config"]
+    rows = []
+    for name, r in d["results"].items():
+        f = r["final"]
+        rows.append({"backbone": name, "detector": "fcos", "backbone_params": r["backbone_params"],
+                     "steps": r["state"]["step"], "batch_size": c["batch_size"],
+                     "train_min": round(r["state"]["train_s"] / 60, 2), "ap": round(f["map"], 3),
+                     "ap50": round(f["map_50"], 3), "ap75": round(f["map_75"], 3), "ap_small": round(f["map_small"], 3),
+                     "ap_medium": round(f["map_medium"], 3),
+                     "hardware": f"{d['env'].get('cpu', 'unknown CPU')}, {d['env'].get('cpu_count')} cores",
+                     "torch": d["env"]["torch"], "command": "python examples/detect_shapes.py"})
+    return rows
+
+
+def detection_table(rows: list[dict]) -> str:
+    lines = ["| backbone | backbone params | steps (batch 16) | AP | AP50 | AP75 | AP small | AP medium | hardware |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['backbone']} | {r['backbone_params'] / 1e6:.2f}M | {r['steps']} | **{r['ap']:.3f}** | "
+                     f"{r['ap50']:.3f} | {r['ap75']:.3f} | {r['ap_small']:.3f} | {r['ap_medium']:.3f} | "
+                     f"{r['hardware']} |")
+    return "\n".join(lines) + "\n"
+
+
 def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, columns, lineterminator="\n")
@@ -218,13 +248,16 @@ def outputs() -> dict[Path, str]:
     studies = runs()
     files = {OUT / f"{study}.csv": to_csv(rows, RUN_COLUMNS) for study, rows in studies.items()}
     files[OUT / "step_speed.csv"] = to_csv(speed_rows(), SPEED_COLUMNS)
+    detection = detection_rows()
+    files[OUT / "detection.csv"] = to_csv(detection, DETECTION_COLUMNS)
     for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         text = page.read_text()
-        for name in TABLES:
+        for name in (*TABLES, "detection"):
             begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
             if begin in text and end in text:
                 head, rest = text.split(begin, 1)
-                text = head + begin + table(name, studies) + end + rest.split(end, 1)[1]
+                body = detection_table(detection) if name == "detection" else table(name, studies)
+                text = head + begin + body + end + rest.split(end, 1)[1]
         files[page] = text
     return files
 
