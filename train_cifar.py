@@ -47,6 +47,7 @@ from vitattn.cli import (
     option,
     overrides_of,
     parse_config,
+    preset_kwargs,
     resumed_config,
     run_cli,
     run_folder,
@@ -186,22 +187,10 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
 
     def model_kwargs(self, family: str) -> dict[str, Any]:
         """``--vit-kwargs`` / ``--cnn-kwargs`` parsed and checked against the preset's config."""
-        flag, text = f"--{family}-kwargs", getattr(self, f"{family}_kwargs")
-        try:
-            kwargs = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{flag} must be a JSON object, got {text!r} ({e})") from None
-        if not isinstance(kwargs, dict):
-            raise UsageError(f"{flag} must be a JSON object of config fields, got {text!r}")
-        from_data = sorted({"img_size", "num_classes", "in_chans"} & set(kwargs))
-        if from_data:  # replacing them would train another model than the one asked for
-            raise UsageError(f"{flag}: {', '.join(from_data)} come from the data (its image size, classes and "
-                             f"channels); drop them from {flag}")
-        try:
-            vitattn.get_config(self.preset(family), **kwargs)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"{flag}: {e}") from None
-        return kwargs
+        # replacing what the data decides would train another model than the one asked for
+        return preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
+                             refuse=("img_size", "num_classes", "in_chans"),
+                             why="come from the data (its image size, classes and channels)")
 
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast precision, or None for fp32."""

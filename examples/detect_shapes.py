@@ -25,6 +25,7 @@ import argparse
 import functools
 import io
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -218,8 +219,6 @@ def main(c: Config, work: Path, figure_path: Path | None = None, results_path: P
     for name in c.backbones:
         out = work / "runs" / name
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)  # a fresh run each time: the budget is the experiment
         summary = train_run(c.run_config(name, root, out))
         if summary["status"] != "ok":

@@ -46,6 +46,7 @@ from vitattn.cli import (
     check_fields,
     option,
     parse_config,
+    preset_kwargs,
     resumed_config,
     run_cli,
     run_folder,
@@ -154,18 +155,8 @@ class Config:
         self.kwargs()  # a bad JSON or field stops the run before anything is written
 
     def kwargs(self) -> dict[str, Any]:
-        try:
-            kwargs = json.loads(self.model_kwargs)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--model-kwargs must be a JSON object, got {self.model_kwargs!r} ({e})") from None
-        if not isinstance(kwargs, dict):
-            raise UsageError(f"--model-kwargs must be a JSON object of config fields, got {self.model_kwargs!r}")
-        if self.model in vitattn.PRESETS:
-            try:
-                vitattn.get_config(self.model, **kwargs)
-            except (TypeError, ValueError) as e:
-                raise UsageError(f"--model-kwargs: {e}") from None
-        return kwargs
+        preset = self.model if self.model in vitattn.PRESETS else None
+        return preset_kwargs("--model-kwargs", self.model_kwargs, preset)
 
     def autocast_dtype(self) -> torch.dtype | None:
         return AMP_DTYPES[self.amp_dtype] if self.amp else None

@@ -44,6 +44,29 @@ def overrides_of(cls: type, skip: tuple[str, ...] = (), note: str = "") -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Options", fields_)
 
 
+def preset_kwargs(flag: str, text: str, preset: str | None, refuse: tuple[str, ...] = (),
+                  why: str = "") -> dict[str, Any]:
+    """A ``--*-kwargs`` option (timm's ``--model-kwargs``): a JSON object of config fields over
+    ``preset``'s, checked against its config; keys in ``refuse`` are refused, saying ``why``."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{flag} must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"{flag} must be a JSON object of config fields, got {text!r}")
+    refused = sorted(set(refuse) & set(kwargs))
+    if refused:
+        raise UsageError(f"{flag}: {', '.join(refused)} {why}; drop them from {flag}")
+    if preset is not None:
+        from .registry import get_config
+
+        try:
+            get_config(preset, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{flag}: {e}") from None
+    return kwargs
+
+
 def check_fields(cfg: Any) -> None:
     """Raise a UsageError for a field outside its choices, a fraction for a whole number, a
     non-finite number, or a value outside the class's ``POSITIVE`` (> 0), ``NON_NEGATIVE`` (>= 0)

@@ -34,6 +34,7 @@ from .checkpoint import (  # noqa: F401
     write_text_atomic,
 )
 from .cli import option
+from .data import PADDING_MODES
 from .optim import (  # noqa: F401
     OPTIMIZERS,
     Lookahead,
@@ -99,7 +100,7 @@ class Recipe:
     min_lr: float = option(0.0, "lr at the end of the decay (timm's --min-lr)")
     padding_mode: str = option("constant", "augmentation: what a shift brings in at the border, zeros "
                                            "('constant') or the mirrored image ('reflect')",
-                               choices=("constant", "reflect"))
+                               choices=PADDING_MODES)
     lookahead_decay: float = option(0.0, "airbench's lookahead (Lookahead): pull the weights back to a slow "
                                          "average every 5 steps from 30%% of the run on, with this base decay "
                                          "(airbench: 0.95), in [0, 1); 0 = off")
