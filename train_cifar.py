@@ -4,19 +4,13 @@
     python train_cifar.py --dataset long-range --time-budget 3       # generated, no download
     torchrun --nproc_per_node=2 train_cifar.py ...                   # DistributedDataParallel
 
-The script reads top to bottom: configuration, data, models, the training loop, evaluation, the
-report, ``main(config) -> dict`` and the command line. Everything lands in ``--out``
-(``runs/<timestamp>``): ``config.json``, ``metrics.jsonl`` (a line per epoch per model),
-``summary.json``, ``checkpoints/``, PNG plots and ``report.md``.
+Top to bottom: configuration, data, models, the training loop, evaluation and report, ``main``
+and the command line; the helpers come from vitattn's modules, named where used. A run writes
+``config.json``, ``metrics.jsonl``, ``summary.json``, ``checkpoints/``, plots and ``report.md``
+to ``--out``. With ``--time-budget MINUTES`` each model trains for that many minutes of steps
+(evaluation excluded, as in airbench) on a schedule that runs on the budget's fraction used.
 
-With ``--time-budget MINUTES`` each model trains for that many minutes of training steps
-(evaluation excluded, as in airbench) and its schedule runs on the fraction of the budget used,
-so it always finishes its decay. The pieces live in the package: recipes, schedule, evaluation
-and checkpoints in ``vitattn.train``, data in ``vitattn.data``, measures and plots in
-``vitattn.context`` / ``vitattn.report``.
-
-References: Keller Jordan's airbench (``airbench94.py``) for the layout and the CNN recipe;
-Touvron et al. 2021 (DeiT) for the ViT recipe.
+References: airbench (``airbench94.py``) for the layout and the CNN recipe; DeiT for the ViT's.
 """
 
 from __future__ import annotations
@@ -24,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,68 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitattn
-from vitattn import report
-from vitattn.cli import (
-    UsageError,
-    build_parser,
-    check_fields,
-    option,
-    overrides_of,
-    parse_config,
-    preset_kwargs,
-    resumed_config,
-    run_cli,
-    run_folder,
-)
-from vitattn.data import (
-    Augment,
-    BatchLoader,
-    DataError,
-    ImageData,
-    Normalize,
-    channel_stats,
-    load_cifar,
-    pipeline_speed,
-    step_generator,
-)
+from vitattn import checkpoint, cli, data, optim, report, runtime, train
+from vitattn.cli import UsageError, option
 from vitattn.helpers import to_2tuple
-from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, CLASSES, DISTANCE_EDGES, accuracy_by_distance, make_long_range
-from vitattn.train import (
-    AMP_DTYPES,
-    DATASET_RECIPES,
-    DEFAULT_PRESETS,
-    RECIPES,
-    CheckpointError,
-    Dist,
-    Lookahead,
-    OptimizerChain,
-    Recipe,
-    StopFlag,
-    all_reduce_,
-    append_jsonl,
-    autocast,
-    average_buffers,
-    build_optimizer,
-    check_checkpoint,
-    count_params,
-    environment,
-    evaluate,
-    flops_per_image,
-    get_lr,
-    hold,
-    load_checkpoint,
-    model_ema,
-    native_bf16,
-    pick_device,
-    read_jsonl,
-    rng_states,
-    save_atomic,
-    save_safetensors,
-    set_lr,
-    set_rng_states,
-    setup_distributed,
-    write_text_atomic,
-)
+from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, DISTANCE_EDGES, accuracy_by_distance, long_range_data
+from vitattn.train import DATASET_RECIPES, DEFAULT_PRESETS, RECIPES, Recipe
 
 # =============================================================================================
 # 1. Configuration
@@ -108,7 +43,7 @@ from vitattn.train import (
 
 
 @dataclass
-class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
+class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
     vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
     cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
@@ -135,7 +70,7 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
     seed: int = option(0, "seed for weights, batches and augmentation")
     amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
     amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
-                            choices=tuple(AMP_DTYPES))
+                            choices=tuple(runtime.AMP_DTYPES))
     bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
     compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
     device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
@@ -153,10 +88,10 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
     POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
     NON_NEGATIVE = ("weight_decay", "warmup_lr", "min_lr", "grad_clip", "translate", "cutout", "seed")
-    FRACTION = ("warmup", "momentum", "beta2", "label_smoothing", "model_ema_decay", "lookahead_decay")  # in [0, 1)
+    FRACTION = ("warmup", "momentum", "beta2", "label_smoothing", "model_ema_decay")  # in [0, 1)
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        cli.check_fields(self)
         if self.bf16:
             if self.amp and self.amp_dtype != "bfloat16":
                 raise UsageError(f"--bf16 means --amp --amp-dtype bfloat16, got --amp-dtype {self.amp_dtype} with it")
@@ -166,21 +101,13 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
         self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
         for slot, families in (("vit", ("vit",)), ("cnn", ("cnn", "bof"))):  # the CNN slot takes its control too
-            preset = getattr(self, f"{slot}_preset")
-            if preset not in vitattn.PRESETS:
-                raise UsageError(f"unknown preset {preset!r}; available: {', '.join(vitattn.list_models())}")
-            if vitattn.PRESETS[preset][0] not in families:
-                raise UsageError(f"--{slot}-preset {preset} is a {vitattn.PRESETS[preset][0]} preset, "
-                                 f"expected a {' or '.join(families)} one")
-
-        for slot in ("vit", "cnn"):  # checked here, so a typo stops the run before anything is written
-            self.model_kwargs(slot)
+            try:
+                vitattn.registry.check_preset(getattr(self, f"{slot}_preset"), families)
+            except ValueError as e:
+                raise UsageError(f"--{slot}-preset: {e}") from None
+            self.model_kwargs(slot)  # checked here, so a typo stops the run before anything is written
         for fam in self.models():
-            r = self.recipe(fam)
-            for name in ("warmup_lr", "min_lr"):
-                if getattr(r, name) > r.lr:
-                    raise UsageError(f"--{name.replace('_', '-')} must not exceed the peak --lr ({r.lr:g} for the "
-                                     f"{fam}), got {getattr(r, name):g}")
+            self.recipe(fam)  # a Recipe checks itself
         if self.optimizer == "muon" and self.model != "vit":
             raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
                              f"{self.model}")
@@ -188,13 +115,13 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
     def model_kwargs(self, family: str) -> dict[str, Any]:
         """``--vit-kwargs`` / ``--cnn-kwargs`` parsed and checked against the preset's config."""
         # replacing what the data decides would train another model than the one asked for
-        return preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
-                             refuse=("img_size", "num_classes", "in_chans"),
-                             why="come from the data (its image size, classes and channels)")
+        return cli.preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
+                                 refuse=("img_size", "num_classes", "in_chans"),
+                                 why="come from the data (its image size, classes and channels)")
 
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast precision, or None for fp32."""
-        return AMP_DTYPES[self.amp_dtype] if self.amp else None
+        return runtime.AMP_DTYPES[self.amp_dtype] if self.amp else None
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]
@@ -217,8 +144,8 @@ class Config(overrides_of(Recipe, skip=("epochs",), note=" (default: the family'
 
 @dataclass
 class Dataset:
-    data: ImageData
-    norm: Normalize  # per-channel statistics of the training images
+    data: data.ImageData
+    norm: data.Normalize  # per-channel statistics of the training images
     test_distance: torch.Tensor | None = None  # long-range: pixels between the marks, per test image
 
 
@@ -227,28 +154,22 @@ def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
     augmented and normalised there, and the host does no per-image work (airbench)."""
     distance = None
     if cfg.dataset == "long-range":
-        task = cfg.long_range_task
-        bg = cfg.long_range_background
-        tr = make_long_range(cfg.long_range_train, seed=cfg.seed, attribute=task, background=bg)
-        te = make_long_range(cfg.long_range_test, seed=cfg.seed + 1_000_000, attribute=task,  # a disjoint stream
-                             background=bg)
-        data = ImageData(tr["images"], tr["labels"], te["images"], te["labels"], CLASSES[task],
-                         f"generated long-range task ({task}, {bg} background)")
-        distance = te["distance"]
+        images, distance = long_range_data(cfg.long_range_train, cfg.long_range_test, seed=cfg.seed,
+                                           attribute=cfg.long_range_task, background=cfg.long_range_background)
     else:
-        data = load_cifar(cfg.data_dir, download=cfg.download)
+        images = data.load_cifar(cfg.data_dir, download=cfg.download)
     if cfg.limit_train:
-        data.train_x, data.train_y = data.train_x[: cfg.limit_train], data.train_y[: cfg.limit_train]
+        images.train_x, images.train_y = images.train_x[: cfg.limit_train], images.train_y[: cfg.limit_train]
     if cfg.limit_test:
-        data.test_x, data.test_y = data.test_x[: cfg.limit_test], data.test_y[: cfg.limit_test]
+        images.test_x, images.test_y = images.test_x[: cfg.limit_test], images.test_y[: cfg.limit_test]
         distance = None if distance is None else distance[: cfg.limit_test]
-    if cfg.context_images is not None and cfg.context_images > len(data.test_x):
-        raise UsageError(f"--context-images must be at most the {len(data.test_x)} test images, got "
+    if cfg.context_images is not None and cfg.context_images > len(images.test_x):
+        raise UsageError(f"--context-images must be at most the {len(images.test_x)} test images, got "
                          f"{cfg.context_images}")
-    norm = Normalize(*channel_stats(data.train_x))
+    norm = data.Normalize(*data.channel_stats(images.train_x))
     if dev is None or dev.type == "cpu":
-        return Dataset(data, norm, distance)
-    return Dataset(data.to(dev), norm.to(dev), distance)
+        return Dataset(images, norm, distance)
+    return Dataset(images.to(dev), norm.to(dev), distance)
 
 
 # =============================================================================================
@@ -259,10 +180,10 @@ def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
 def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world: int) -> nn.Module:
     """The preset for the data's classes and image size (a ViT's position table is sized from the
     images), checked against the data before anything is written."""
-    preset, data = cfg.preset(family), ds.data
-    size = tuple(data.train_x.shape[-2:])
+    preset, images = cfg.preset(family), ds.data
+    size = tuple(images.train_x.shape[-2:])
     kwargs = cfg.model_kwargs(family)
-    over: dict[str, Any] = {**kwargs, "num_classes": len(data.classes)}
+    over: dict[str, Any] = {**kwargs, "num_classes": len(images.classes)}
     if family == "vit":
         patch = to_2tuple(vitattn.get_config(preset, **kwargs).patch_size)
         if size[0] % patch[0] or size[1] % patch[1]:
@@ -272,22 +193,12 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every resume
     model = vitattn.create_model(preset, **over).to(dev)
     try:
-        model.flops = flops_per_image(model, size)
+        model.flops = train.flops_per_image(model, size)
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"{preset} cannot take {size[0]}x{size[1]} images: {e}") from e
-    r = cfg.recipe(family)
-    for flag, pixels in (("--translate", r.translate), ("--cutout", r.cutout)):
-        if pixels >= min(size):  # a shift or hole this large leaves blank images to train on
-            raise UsageError(f"{flag} must be smaller than the {size[0]}x{size[1]} images, got {pixels}")
-    batch = r.batch_size
-    if batch % world:
-        raise UsageError(f"{family}: --batch-size is the global batch and must split evenly over the {world} "
-                         f"processes, got {batch}; use a multiple of {world}")
-    if len(data.train_x) // world < batch // world:
-        raise UsageError(f"{family}: a batch of {batch} over {world} process(es) needs at least that many training "
-                         f"images, got {len(data.train_x)}; lower --batch-size")
+    cfg.recipe(family).check_data(family, size, len(images.train_x), world)
     if hasattr(model, "init_stem"):  # data-dependent stems (whitening) are set from 5,000 training images
-        model.init_stem(ds.norm(data.train_x[:5000]))
+        model.init_stem(ds.norm(images.train_x[:5000]))
     if family == "cnn" and cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
@@ -296,14 +207,6 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
 # =============================================================================================
 # 4. The training loop
 # =============================================================================================
-
-
-class Interrupted(Exception):
-    """Ctrl-C: a resumable checkpoint was saved."""
-
-
-class NonFiniteLoss(Exception):
-    """The loss became NaN or inf; the last good checkpoint is kept."""
 
 
 @dataclass
@@ -330,9 +233,9 @@ class Run:
     family: str
     model: nn.Module
     net: nn.Module  # the model as stepped: wrapped in DDP and / or compiled
-    opt: torch.optim.Optimizer | OptimizerChain
+    opt: torch.optim.Optimizer | optim.OptimizerChain
     recipe: Recipe
-    loader: BatchLoader
+    loader: data.BatchLoader
     st: TrainState
     ckpt: Path
     total_steps: int | None
@@ -343,62 +246,49 @@ class Run:
     scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
     running: torch.Tensor  # (loss sum, correct) of the steps since the loop last read them, on the device
     ema: torch.optim.swa_utils.AveragedModel | None = None  # the averaged weights the run keeps, if any
-    lookahead: Lookahead | None = None  # slow weights the model is pulled back to, if any
 
     def progress(self) -> float:
-        p = self.st.global_step / self.total_steps if self.total_steps else 0.0
-        return max(p, self.st.train_seconds / self.budget_s) if self.budget_s else p
+        return train.run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
+
+    def precision(self) -> str:
+        return runtime.precision_name(self.amp_dtype, self.scaler.is_enabled())
 
     def images_per_s(self, world: int) -> float:
         return self.st.images_seen * world / max(self.st.train_seconds, 1e-9)
 
     def save(self, result: dict | None = None) -> None:
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
-        if self.lookahead is not None:
-            extra["lookahead"] = self.lookahead.state_dict()
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
-        save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "state": asdict(self.st),
-                     "rng": rng_states(self.device), "family": self.family, "result": result or {}, **extra},
-                    self.ckpt)
+        checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                "state": asdict(self.st), "rng": runtime.rng_states(self.device), "family": self.family,
+                                "result": result or {}, **extra}, self.ckpt)
 
 
 def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
-              dev: torch.device, dd: Dist) -> Run:
+              dev: torch.device, dd: runtime.Dist) -> Run:
     r = cfg.recipe(family)
-    opt = build_optimizer(model, r)
-    ema = model_ema(model, r.model_ema_decay) if r.model_ema_decay > 0 else None
-    lookahead = Lookahead(model, r.lookahead_decay) if r.lookahead_decay > 0 else None
+    opt = optim.build_optimizer(model, r)
+    ema = optim.model_ema(model, r.model_ema_decay) if r.model_ema_decay > 0 else None
     amp_dtype = cfg.autocast_dtype()
     scaler = torch.amp.GradScaler(dev.type, enabled=amp_dtype == torch.float16)
     st = TrainState()
     if ck is not None:  # read on the CPU (and checked) by main before anything was written
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
+        checkpoint.restore(ck, model, opt, scaler, dev)
         st = TrainState(**ck["state"])
-        set_rng_states(ck["rng"] if isinstance(ck["rng"], dict) else {"cpu": ck["rng"]}, dev)
         if ema is not None and not st.done:
             ema.load_state_dict(ck["ema"])
-        if lookahead is not None and not st.done:
-            lookahead.load_state_dict(ck["lookahead"])
-        if scaler.is_enabled() and "scaler" in ck:
-            scaler.load_state_dict(ck["scaler"])
     else:
         torch.manual_seed(cfg.seed + 17 * dd.rank)  # the dropout / drop-path stream
-    loader = BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True, drop_last=True,
-                         augment=Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout,
-                                         padding_mode=r.padding_mode),
-                         seed=cfg.seed, rank=dd.rank, world_size=dd.world)
+    augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode)
+    loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True,
+                              drop_last=True, augment=augment, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
-    net = model
-    if dd.world > 1:
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
-    if cfg.compile:  # compiling the DDP module lets DDP's optimiser split graphs at its buckets
-        net = torch.compile(net)
+    net = runtime.wrap_model(model, dd, dev, cfg.compile)
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
                cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, dev,
-               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema, lookahead)
+               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema)
 
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
@@ -410,20 +300,14 @@ def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, norm: nn.Module) ->
     """One optimiser step on a uint8 batch on the device; its loss and hits are added to
     ``run.running`` on the device, so nothing here waits for a GPU."""
     r = run.recipe
-    set_lr(run.opt, get_lr(run.progress(), r.lr, r.warmup, r.decay, r.warmup_lr, r.min_lr))
+    optim.set_lr(run.opt, r.lr_at(run.progress()))
     x = norm(xb)
     if run.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    with autocast(x.device, run.amp_dtype):
+    with runtime.autocast(x.device, run.amp_dtype):
         logits = run.net(x)
         loss = F.cross_entropy(logits.float(), yb, label_smoothing=r.label_smoothing)
-    run.opt.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
-    if r.grad_clip > 0:
-        run.scaler.unscale_(run.opt)  # clip the true gradients, not fp16's scaled ones
-        nn.utils.clip_grad_norm_(run.model.parameters(), r.grad_clip)
-    run.scaler.step(run.opt)
-    run.scaler.update()
+    optim.backward_step(loss, run.opt, run.scaler, run.model.parameters(), r.grad_clip)
     if run.ema is not None:
         run.ema.update_parameters(run.model)
     # float64 sums of float32 losses are exact, so they do not depend on when they are read
@@ -442,7 +326,7 @@ def read_running(run: Run, bar) -> None:
                         img_s=f"{run.images_per_s(1):.0f}")
 
 
-def check_stop(run: Run, dd: Dist, stop: StopFlag, pending_s: float) -> None:
+def check_stop(run: Run, dd: runtime.Dist, stop: runtime.StopFlag, pending_s: float) -> None:
     """Add ``pending_s`` of step time to the run's clock, then raise NonFiniteLoss or Interrupted
     when the loss read so far is not finite or Ctrl-C came. A torchrun's ranks agree first (the
     slowest clock, any NaN, any Ctrl-C), so their clocks, lr schedules and stops stay equal."""
@@ -450,17 +334,17 @@ def check_stop(run: Run, dd: Dist, stop: StopFlag, pending_s: float) -> None:
     seconds, nonfinite, stopping = st.train_seconds + pending_s, not math.isfinite(st.loss_sum), stop.set
     if dd.world > 1:
         flags = torch.tensor([seconds, nonfinite, stopping], dtype=torch.float64, device=run.device)
-        seconds, nonfinite, stopping = all_reduce_(flags, dd, dist.ReduceOp.MAX).tolist()
+        seconds, nonfinite, stopping = runtime.all_reduce_(flags, dd, dist.ReduceOp.MAX).tolist()
     st.train_seconds = seconds
     if nonfinite:  # a NaN on any rank poisons the averaged gradients of all
-        raise NonFiniteLoss(f"[{run.family}] loss is {st.loss_sum / max(st.count, 1)} by epoch {st.epoch} step "
+        raise runtime.NonFiniteLoss(f"[{run.family}] loss is {st.loss_sum / max(st.count, 1)} by epoch {st.epoch} step "
                             f"{st.step_in_epoch}; stopping. The last good checkpoint is kept at "
                             f"{run.ckpt if run.ckpt.exists() else '(none yet)'}. Lower --lr or set --grad-clip.")
     if stopping:  # before the forward pass, which would move BatchNorm statistics
-        raise Interrupted
+        raise runtime.Interrupted
 
 
-def train_epoch(run: Run, norm: nn.Module, dd: Dist, stop: StopFlag, bar) -> None:
+def train_epoch(run: Run, norm: nn.Module, dd: runtime.Dist, stop: runtime.StopFlag, bar) -> None:
     """Steps until the epoch or the budget ends; raises Interrupted at a step boundary on Ctrl-C.
     A single process checks Ctrl-C and the budget at every step (host values only); a torchrun's
     ranks every ``READ_EVERY`` steps, and their clocks move only then."""
@@ -487,8 +371,6 @@ def train_epoch(run: Run, norm: nn.Module, dd: Dist, stop: StopFlag, bar) -> Non
         st.global_step += 1
         st.step_in_epoch += 1
         st.count += len(yb)
-        if run.lookahead is not None:
-            run.lookahead.step(st.global_step, run.progress())
         if dd.world == 1:
             st.train_seconds += time.perf_counter() - t0
         else:
@@ -500,37 +382,34 @@ def train_epoch(run: Run, norm: nn.Module, dd: Dist, stop: StopFlag, bar) -> Non
     check_stop(run, dd, stop, pending + time.perf_counter() - t0)
 
 
-def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: torch.device, dd: Dist,
-              log) -> None:
+def end_epoch(run: Run, cfg: Config, ds: Dataset, out: Path, dev: torch.device, dd: runtime.Dist, log) -> None:
     """After an epoch (or the budget): evaluate, write a metrics line, checkpoint."""
     st = run.st
     ended = st.step_in_epoch >= len(run.loader)
-    if run.lookahead is not None and (ended or run.progress() >= 1.0):
-        run.lookahead.sync()  # the model tested and kept is the slow average (airbench)
-    test = functools.partial(evaluate, norm=norm, x=ds.data.test_x, y=ds.data.test_y, batch_size=cfg.eval_batch_size,
-                             device=dev, dd=dd, channels_last=run.channels_last, amp_dtype=run.amp_dtype)
-    average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
+    test = functools.partial(train.evaluate, norm=ds.norm, x=ds.data.test_x, y=ds.data.test_y,
+                             batch_size=cfg.eval_batch_size, device=dev, dd=dd, channels_last=run.channels_last,
+                             amp_dtype=run.amp_dtype)
+    runtime.average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
     ev = test(run.model)
     raw = {}
     if run.ema is not None:  # test_acc is the kept model's, the EMA; the raw weights' is logged beside
-        average_buffers(run.ema.module, dd)
+        runtime.average_buffers(run.ema.module, dd)
         raw = {"test_loss_no_ema": ev["loss"], "test_acc_no_ema": ev["acc"]}
         ev = test(run.ema.module)
     st.best_acc = max(st.best_acc, ev["acc"])
     sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=dev)
-    sums = all_reduce_(sums, dd).tolist()
+    sums = runtime.all_reduce_(sums, dd).tolist()
     line = dict(model=run.family, epoch=round(st.epoch + (1.0 if ended else st.step_in_epoch / len(run.loader)), 4),
                 step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
                 train_acc=float(sums[1] / max(sums[2], 1)), test_loss=ev["loss"], test_acc=ev["acc"],
-                lr=get_lr(run.progress(), run.recipe.lr, run.recipe.warmup, run.recipe.decay, run.recipe.warmup_lr,
-                           run.recipe.min_lr),
-                train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
-                data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
+                lr=run.recipe.lr_at(run.progress()), train_seconds=st.train_seconds,
+                images_per_s=run.images_per_s(dd.world), data_share=st.data_seconds / max(st.train_seconds, 1e-9),
+                **raw)
     if ended:
         st.epoch, st.step_in_epoch = st.epoch + 1, 0
     st.done = run.progress() >= 1.0
     if dd.main:
-        append_jsonl(out / "metrics.jsonl", line)
+        checkpoint.append_jsonl(out / "metrics.jsonl", line)
         log(f"[{run.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f} acc "
             f"{line['train_acc']:.4f} | test loss {ev['loss']:.4f} acc {ev['acc']:.4f} | "
             f"{line['images_per_s']:.0f} img/s, {st.train_seconds:.0f} s")
@@ -538,16 +417,8 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, de
             run.save()
 
 
-def precision(run: Run) -> str:
-    """What the run's arithmetic is, as the report states it."""
-    if run.amp_dtype is None:
-        return "fp32"
-    return f"{str(run.amp_dtype).removeprefix('torch.')} autocast" + (" + grad scaler" if run.scaler.is_enabled()
-                                                                          else "")
-
-
 def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
-                dev: torch.device, dd: Dist, stop: StopFlag, log) -> dict:
+                dev: torch.device, dd: runtime.Dist, stop: runtime.StopFlag, log) -> dict:
     """Train one model (from its checkpoint when resuming); returns its result dict with the
     trained ``model``. Raises Interrupted / NonFiniteLoss after saving / keeping the checkpoint."""
     wall0 = time.perf_counter()
@@ -555,74 +426,62 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
     if run.st.done:
         log(f"[{family}] already finished in {out}; skipping training")
         if dd.main:  # written anew from the checkpoint: a crash may have cut the first copy short
-            save_safetensors(model, out / "checkpoints" / f"{family}.safetensors")
+            checkpoint.save_safetensors(model, out / "checkpoints" / f"{family}.safetensors")
         return {**ck["result"], "model": model}
     if ck is not None:
         log(f"[{family}] resuming at epoch {run.st.epoch} step {run.st.step_in_epoch} ({run.st.train_seconds:.0f} s)")
-        if dd.main and (out / "metrics.jsonl").exists():  # drop lines written after the checkpoint
-            rows = [m for m in read_jsonl(out / "metrics.jsonl")
-                    if m["model"] != family or m["step"] <= run.st.global_step]
-            write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in rows))
-    norm = ds.norm
-    pipeline = pipeline_speed(run.loader, norm) if dd.main else {}
+        if dd.main:  # drop lines written after the checkpoint
+            step = run.st.global_step
+            checkpoint.filter_jsonl(out / "metrics.jsonl", lambda m: m["model"] != family or m["step"] <= step)
+    pipeline = data.pipeline_speed(run.loader, ds.norm) if dd.main else {}
     r = run.recipe
-    log(f"[{family}] {cfg.preset(family)}: {count_params(model) / 1e6:.3f} M params, "
+    log(f"[{family}] {cfg.preset(family)}: {train.count_params(model) / 1e6:.3f} M params, "
         f"{model.flops / 1e6:.1f} MFLOP/img; "
         f"{r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} ({len(run.loader)} steps/epoch); "
-        f"{precision(run)} on {dev}; pipeline alone {pipeline.get('augmented_images_per_s', 0):.0f} img/s")
-    if run.amp_dtype == torch.bfloat16 and not native_bf16(dev):
-        log(f"[{family}] warning: {dev} has no native bf16 (no avx512_bf16 / amx_bf16 flags), so bf16 products are "
-            "emulated and run many times slower than fp32 (docs/performance.md); drop --amp for fp32")
-    bar = None
-    if cfg.progress and dd.main:
-        from tqdm import tqdm
-
-        if run.budget_s:  # the budget, in minutes of training steps, is what ends the run
-            bar = tqdm(total=round(run.budget_s / 60, 2), initial=round(run.st.train_seconds / 60, 2), desc=family,
-                       unit="min", disable=None,
-                       bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
-        else:
-            bar = tqdm(total=run.total_steps, initial=run.st.global_step, desc=family, unit="step", disable=None)
+        f"{run.precision()} on {dev}; pipeline alone {pipeline.get('augmented_images_per_s', 0):.0f} img/s")
+    if runtime.precision_warning(dev, run.amp_dtype):
+        log(f"[{family}] warning: {runtime.precision_warning(dev, run.amp_dtype)}")
+    bar = (cli.progress_bar(family, run.total_steps, run.st.global_step, run.budget_s, run.st.train_seconds)
+           if cfg.progress and dd.main else None)
     model.train()
     try:
         while run.progress() < 1.0:
-            train_epoch(run, norm, dd, stop, bar)
-            end_epoch(run, cfg, ds, norm, out, dev, dd, log)
-    except Interrupted:
+            train_epoch(run, ds.norm, dd, stop, bar)
+            end_epoch(run, cfg, ds, out, dev, dd, log)
+    except runtime.Interrupted:
         if dd.main:
             run.save()
         raise
     finally:
         if bar is not None:
             bar.close()
-    return finish(run, cfg, ds, norm, out, dev, dd, pipeline, time.perf_counter() - wall0)
+    return finish(run, cfg, ds, out, dev, dd, pipeline, time.perf_counter() - wall0)
 
 
 # =============================================================================================
-# 5. Evaluation
+# 5. Evaluation and report
 # =============================================================================================
 
 
-def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: torch.device, dd: Dist,
-           pipeline: dict, wall_s: float) -> dict:
+def finish(run: Run, cfg: Config, ds: Dataset, out: Path, dev: torch.device, dd: runtime.Dist, pipeline: dict,
+           wall_s: float) -> dict:
     """The final test (with TTA and, on the long-range task, by distance), saved with the weights."""
     st, model = run.st, run.model
-    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["model"] == run.family] if dd.main else []
+    metrics = [m for m in checkpoint.read_jsonl(out / "metrics.jsonl") if m["model"] == run.family] if dd.main else []
     raw = {}
     if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
         if metrics:  # the last epoch's line already tested these raw weights
             raw["final_acc_no_ema"] = metrics[-1]["test_acc_no_ema"]
         model.load_state_dict(run.ema.module.state_dict())
-    final = evaluate(model, norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev, dd=dd,
-                     channels_last=run.channels_last, tta=cfg.tta, amp_dtype=run.amp_dtype)
-    result = dict(family=run.family, preset=cfg.preset(run.family), params=count_params(model),
+    final = train.evaluate(model, ds.norm, ds.data.test_x, ds.data.test_y, batch_size=cfg.eval_batch_size, device=dev,
+                           dd=dd, channels_last=run.channels_last, tta=cfg.tta, amp_dtype=run.amp_dtype)
+    result = dict(family=run.family, preset=cfg.preset(run.family), params=train.count_params(model),
                   flops_per_image=model.flops, epochs=metrics[-1]["epoch"] if metrics else st.epoch,
                   steps=st.global_step, final_acc=final["acc"], best_acc=max(st.best_acc, final["acc"]),
                   final_loss=final["loss"], train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
                   data_share=st.data_seconds / max(st.train_seconds, 1e-9), recipe=asdict(run.recipe),
-                  batch_per_rank=run.loader.batch_size, world_size=dd.world, precision=precision(run),
-                  pipeline=pipeline, wall_seconds=wall_s,
-                  **raw)
+                  batch_per_rank=run.loader.batch_size, world_size=dd.world, precision=run.precision(),
+                  pipeline=pipeline, wall_seconds=wall_s, **raw)
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if ds.test_distance is not None:
@@ -630,120 +489,68 @@ def finish(run: Run, cfg: Config, ds: Dataset, norm: nn.Module, out: Path, dev: 
                                                               DISTANCE_EDGES[cfg.long_range_task])
     if dd.main:
         run.save(result)
-        save_safetensors(model, out / "checkpoints" / f"{run.family}.safetensors")
+        checkpoint.save_safetensors(model, out / "checkpoints" / f"{run.family}.safetensors")
     return {**result, "model": model}
-
-
-# =============================================================================================
-# 6. Report
-# =============================================================================================
 
 
 def context_sample(cfg: Config, ds: Dataset) -> torch.Tensor:
     """The fixed test images the global-context measures look at (indices)."""
     n = cfg.context_images or min(128, len(ds.data.test_x))
-    return torch.randperm(len(ds.data.test_x), generator=step_generator(cfg.seed, -1))[:n]
-
-
-def write_outputs(cfg: Config, ds: Dataset, out: Path, summary: dict, modules: dict, dev: torch.device) -> None:
-    """Global context on a fixed sample of test images, then summary.json, the plots and report.md."""
-    pick = context_sample(cfg, ds)
-    summary["config"]["context_images"] = len(pick)  # what the report's measures saw
-    pick = pick.to(ds.data.test_x.device)
-    images = ds.norm(ds.data.test_x[pick])
-    context = {fam: report.context_metrics(m, images) for fam, m in modules.items()}
-    for fam, c in context.items():
-        summary["models"][fam]["erf_radius_px"] = [e["radius_px"] for e in c["erf"]]
-        if "attention_distance" in c:
-            summary["models"][fam]["attention_distance_px"] = c["attention_distance"].tolist()
-            summary["models"][fam]["attention_entropy_nats"] = c["attention_entropy"].tolist()
-    figs = []
-    if cfg.plots:
-        shown = ds.data.test_x[pick][:16].float().cpu() / 255
-        figs = report.write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context, shown,
-                                  ds.data.test_y[pick][:16].cpu(), ds.data.classes)
-    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
-    report.write_report(out, summary, context, figs)
+    return torch.randperm(len(ds.data.test_x), generator=data.step_generator(cfg.seed, -1))[:n]
 
 
 # =============================================================================================
-# 7. main and the command line
+# 6. main and the command line
 # =============================================================================================
 
 
 OLD_RUN_VALUES = {"long_range_background": "texture"}  # runs from before the option drew on the texture
 
 
-def place_run(cfg: Config) -> tuple[Dist, torch.device, Path]:
-    """This process's rank and device, and the run folder, which must be new or empty unless resuming."""
-    try:
-        dd = setup_distributed(pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0"))))
-        dev = pick_device(cfg.device, dd.local_rank)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dd, dev, run_folder(cfg.out, cfg.resume)
-
-
-def console_log(progress: bool):
-    """Print a line; with a progress bar, above it (tqdm.write), so lines never land on the bar."""
-    if not progress:
-        return functools.partial(print, flush=True)
-    from tqdm import tqdm
-
-    return lambda *parts: tqdm.write(" ".join(str(p) for p in parts), file=sys.stdout)
-
-
 def main(config: Config) -> dict:
     """Train, measure and report; returns the summary dict with the trained modules under
     ``'modules'``. ``status`` is 'ok', 'interrupted' or 'nan' (those two raise nothing). Bad
-    options, data or run folders raise UsageError / DataError / CheckpointError before anything
-    is written."""
+    options, data or run folders raise UsageError / DataError / CheckpointError before anything is
+    written."""
     t0 = time.perf_counter()
-    cfg = resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
-                         missing=OLD_RUN_VALUES) if config.resume else config
-    dd, dev, out = place_run(cfg)
-    log = console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
+    cfg = cli.resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
+                             missing=OLD_RUN_VALUES) if config.resume else config
+    try:
+        dd, dev = runtime.place_process(cfg.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = cli.run_folder(cfg.out, cfg.resume)
+    log = cli.console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:
         if cfg.resume:
-            folder.enter_context(hold(out, dd.main))
+            folder.enter_context(checkpoint.hold(out, dd.main))
         return run_all(cfg, dd, dev, out, log, folder, t0)
 
 
-def run_all(cfg: Config, dd: Dist, dev: torch.device, out: Path, log, folder: contextlib.ExitStack,
+def run_all(cfg: Config, dd: runtime.Dist, dev: torch.device, out: Path, log, folder: contextlib.ExitStack,
             t0: float) -> dict:
     try:
         ds = load_dataset(cfg, dev)
         models = {fam: build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
-        ckpts = {}
-        for fam, model in models.items():
-            path = out / "checkpoints" / f"{fam}.pt"
-            ckpts[fam] = load_checkpoint(path) if path.exists() else None
-            if ckpts[fam] is not None:
-                check_checkpoint(ckpts[fam], model, fam, path)
+        ckpts = {fam: checkpoint.resume_checkpoint(out / "checkpoints" / f"{fam}.pt", m, fam)
+                 for fam, m in models.items()}
         if dd.main and not cfg.resume:  # everything checked: now the run folder is written
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise UsageError(f"--out {out} cannot be created ({e})") from None
-            folder.enter_context(hold(out, dd.main))
-            write_text_atomic(out / "config.json", json.dumps({**asdict(cfg), "out": str(out)}, indent=1))
+            cli.start_run_folder(out, cfg, folder)
         if dd.world > 1:
             dist.barrier()
         log(f"data: {ds.data.source}: {len(ds.data.train_x)} train / {len(ds.data.test_x)} test images, "
             f"{len(ds.data.classes)} classes; device {dev}, world size {dd.world}")
         results, modules, status = {}, {}, "ok"
-        with StopFlag() as stop:
+        with runtime.StopFlag() as stop:
             for fam, model in models.items():
                 try:
                     r = train_model(fam, model, ckpts[fam], cfg, ds, out, dev, dd, stop, log)
-                except Interrupted:
+                except runtime.Interrupted:
                     log(f"interrupted: resumable checkpoint saved in {out / 'checkpoints'}; "
                         f"continue with: python train_cifar.py --resume {out}")
                     status = "interrupted"
                     break
-                except NonFiniteLoss as e:
+                except runtime.NonFiniteLoss as e:
                     log(str(e))
                     status = "nan"
                     break
@@ -751,11 +558,13 @@ def run_all(cfg: Config, dd: Dist, dev: torch.device, out: Path, log, folder: co
                 results[fam] = r
         summary = {"status": status, "signal": stop.signum, "dataset": cfg.dataset, "data_source": ds.data.source,
                    "classes": list(ds.data.classes), "world_size": dd.world, "models": results,
-                   "config": asdict(cfg), "environment": environment(dev), "out": str(out)}
+                   "config": asdict(cfg), "environment": runtime.environment(dev), "out": str(out)}
         if status == "ok" and dd.main:
             summary["train_seconds_total"] = sum(r["train_seconds"] for r in results.values())
             summary["wall_seconds_total"] = time.perf_counter() - t0  # data, training, evaluation
-            write_outputs(cfg, ds, out, summary, modules, dev)
+            pick = context_sample(cfg, ds).to(ds.data.test_x.device)
+            report.write_outputs(out, summary, modules, ds.data.test_x[pick], ds.data.test_y[pick], ds.data.classes,
+                                 ds.norm, cfg.plots)
             log(f"wrote {out / 'report.md'}")
             for fam, r in results.items():
                 log(f"[{fam}] final test accuracy {r['final_acc']:.4f} (best {r['best_acc']:.4f}), "
@@ -766,37 +575,26 @@ def run_all(cfg: Config, dd: Dist, dev: torch.device, out: Path, log, folder: co
             dist.destroy_process_group()
 
 
-def list_presets(pattern: str) -> str:
-    """``--list-models``: each preset with its family, size and what it is for."""
-    rows = []
-    for name in vitattn.list_models(pattern):
-        params = count_params(vitattn.create_model(name))
-        family, _, purpose = vitattn.PRESETS[name]
-        default = [k for k, d in DEFAULT_PRESETS.items() if name in d.values()]
-        rows.append(f"{name:44s} {family:4s} {params / 1e6:6.2f}M  {purpose}"
-                    + (f" [default for {', '.join(default)}]" if default else ""))
-    return "\n".join(rows) or f"no preset matches {pattern!r}"
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line, one option per ``Config`` field, its help from the field's metadata;
     timm's names are aliases where the meaning is the same (``--output``, ``--clip-grad``)."""
-    p = build_parser(Config, __doc__.split("\n\n")[0],
-                     epilog="Options left unset take the model family's recipe (vitattn.train.RECIPES).")
+    p = cli.build_parser(Config, __doc__.split("\n\n")[0],
+                         epilog="Options left unset take the model family's recipe (vitattn.train.RECIPES).")
     p.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
                    help="print the presets (matching PATTERN, e.g. 'vit_*') with their size and purpose, and exit")
     first, _ = p.parse_known_args(argv)
     if first.list_models is not None:
-        print(list_presets(first.list_models))
+        print(vitattn.registry.describe_models(first.list_models, DEFAULT_PRESETS))
         p.exit(0)
-    return parse_config(p, Config, argv, keep_on_resume=("progress",))
+    return cli.parse_config(p, Config, argv, keep_on_resume=("progress",))
 
 
-def cli(argv: list[str] | None = None) -> int:
+def command_line(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal (130 for Ctrl-C,
     143 for SIGTERM) when stopped, with a resumable checkpoint once training has begun."""
-    return run_cli(main, parse_args(argv), "train_cifar.py", (UsageError, DataError, CheckpointError))
+    expected = (UsageError, data.DataError, checkpoint.CheckpointError)
+    return cli.run_cli(main, parse_args(argv), "train_cifar.py", expected)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(command_line())

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         shutil.rmtree(work)
     dev = torch.device(args.device)
-    report = {"environment": T.environment(dev), "args": vars(args), "steps": {}}
+    report = {"environment": T.runtime.environment(dev), "args": vars(args), "steps": {}}
     for name in args.steps:
         t = time.perf_counter()
         try:

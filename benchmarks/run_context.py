@@ -36,7 +36,7 @@ def main() -> None:
             raise T.UsageError(f"{a.run}: expected the final weights {', '.join(missing)}; "
                                "is the run finished?")
         ds = T.load_dataset(cfg)
-    except (OSError, ValueError, TypeError, T.UsageError, T.DataError) as e:
+    except (OSError, ValueError, TypeError, T.UsageError, T.data.DataError) as e:
         sys.exit(f"error: {e}")
     from safetensors.torch import load_file
 

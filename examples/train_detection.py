@@ -40,6 +40,16 @@ import torch
 from torch import nn
 
 import vitattn
+from vitattn.checkpoint import (
+    CheckpointError,
+    append_jsonl,
+    hold,
+    read_jsonl,
+    restore,
+    resume_checkpoint,
+    save_atomic,
+    write_text_atomic,
+)
 from vitattn.cli import (
     UsageError,
     build_parser,
@@ -50,29 +60,22 @@ from vitattn.cli import (
     resumed_config,
     run_cli,
     run_folder,
+    start_run_folder,
 )
 from vitattn.detection import DETECTORS, SCALE_FACTORS, ViTDetBackbone, build_detector, coco_eval, coco_results
-from vitattn.train import (
+from vitattn.optim import backward_step, param_groups, set_lr
+from vitattn.runtime import (
     AMP_DTYPES,
-    CheckpointError,
+    Interrupted,
+    NonFiniteLoss,
     StopFlag,
-    append_jsonl,
     autocast,
-    check_checkpoint,
-    count_params,
     environment,
-    get_lr,
-    hold,
-    load_checkpoint,
-    param_groups,
     pick_device,
-    read_jsonl,
+    precision_warning,
     rng_states,
-    save_atomic,
-    set_lr,
-    set_rng_states,
-    write_text_atomic,
 )
+from vitattn.train import count_params, get_lr, run_progress
 
 RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
 AUGMENTATIONS = ("hflip", "ssd", "none")  # torchvision references' --data-augmentation policies
@@ -342,10 +345,6 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
 # =============================================================================================
 
 
-class Interrupted(Exception):
-    pass
-
-
 @dataclass
 class State:
     epoch: int = 0  # epochs finished
@@ -358,8 +357,8 @@ class State:
 
 def progress(state: State, cfg: Config, steps_per_epoch: int) -> float:
     """Fraction of the run done: by steps or by the budget, whichever is further along."""
-    by_steps = state.step / (cfg.epochs * steps_per_epoch)
-    return max(by_steps, state.train_s / (60 * cfg.time_budget)) if cfg.time_budget else by_steps
+    return run_progress(state.step, cfg.epochs * steps_per_epoch, state.train_s,
+                        60 * cfg.time_budget if cfg.time_budget else None)
 
 
 def to_device(images: list, targets: list, dev: torch.device) -> tuple[list, list]:
@@ -381,18 +380,12 @@ def train_epoch(model, opt, scaler, train: Split, cfg: Config, dev, state: State
         t0 = time.perf_counter()
         with autocast(dev, cfg.autocast_dtype()):
             loss = sum(model(images, targets).values())
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        if cfg.clip_grad:
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        scaler.step(opt)
-        scaler.update()
+        backward_step(loss, opt, scaler, model.parameters(), cfg.clip_grad)
         value = float(loss.detach())  # waits for the step, so the clock below is the step's time
         state.train_s += time.perf_counter() - t0
         state.step, state.seen, state.images = state.step + 1, state.seen + len(images), state.images + len(images)
         if not math.isfinite(value):
-            raise FloatingPointError(f"the loss is {value} at step {state.step}; lower --lr or use --clip-grad")
+            raise NonFiniteLoss(f"the loss is {value} at step {state.step}; lower --lr or use --clip-grad")
         losses_sum, n, epoch_sum, epoch_n = losses_sum + value, n + 1, epoch_sum + value, epoch_n + 1
         state.loss = epoch_sum / epoch_n
         if state.step % cfg.log_interval == 0:
@@ -453,21 +446,16 @@ def main(config: Config) -> dict:
         opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
         scaler = torch.amp.GradScaler(dev.type, enabled=cfg.autocast_dtype() == torch.float16)
         state, ckpt = State(), out / "checkpoints" / "last.pt"
-        if ckpt.exists():
-            ck = load_checkpoint(ckpt)
-            check_checkpoint(ck, model, "detector", ckpt)
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            scaler.load_state_dict(ck["scaler"])
+        ck = resume_checkpoint(ckpt, model, "detector")
+        if ck is not None:
+            restore(ck, model, opt, scaler, dev)
             state = State(**ck["state"])
-            set_rng_states(ck["rng"], dev)
-        else:
-            out.mkdir(parents=True, exist_ok=True)  # everything checked: now the run folder is written
-            if not cfg.resume:
-                folder.enter_context(hold(out, True))
-            write_text_atomic(out / "config.json", json.dumps({**asdict(cfg), "out": str(out)}, indent=1))
+        elif not cfg.resume:  # everything checked: now the run folder is written
+            start_run_folder(out, cfg, folder)
         log(f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(train.image_ids)} "
             f"train / {len(val.image_ids)} val images, {len(category_ids) - 1} categories; device {dev}")
+        if precision_warning(dev, cfg.autocast_dtype()):
+            log(f"warning: {precision_warning(dev, cfg.autocast_dtype())}")
         status, signum, finished = "ok", None, state.epoch >= cfg.epochs
         with StopFlag() as stop:
             while not finished:

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def refused(capsys, argv: list, message: str, out: Path | None = None) -> str:
     """``train_cifar.py argv`` exits 2 with ``message`` and no traceback, and writes no ``out``."""
     try:
-        code = T.cli([str(a) for a in argv] + ["--no-progress"] + ([] if "--resume" in argv else ["--no-plots"]))
+        extra = ["--no-progress"] + ([] if "--resume" in argv else ["--no-plots"])
+        code = T.command_line([str(a) for a in argv] + extra)
     except SystemExit as e:
         code = e.code
     io = capsys.readouterr()
@@ -136,8 +137,8 @@ def test_a_failure_mid_run_is_one_line_with_the_way_to_resume(tmp_path, folder, 
 
     monkeypatch.setattr(T, "end_epoch", broken)
     out = tmp_path / "run"
-    assert T.cli(["--data-dir", str(folder), "--model", "cnn", "--batch-size", "12", "--out", str(out), "--no-progress",
-                  "--no-plots"]) == 1
+    assert T.command_line(["--data-dir", str(folder), "--model", "cnn", "--batch-size", "12", "--out", str(out),
+                           "--no-progress", "--no-plots"]) == 1
     err = capsys.readouterr().err
     assert "error: the run failed: RuntimeError: a kernel failed" in err and f"--resume {out}" in err
     assert "Traceback" not in err
@@ -168,7 +169,7 @@ def test_a_run_resumes_past_a_metrics_line_cut_by_a_crash_and_rewrites_cut_weigh
     metrics.write_text(metrics.read_text() + '{"model": "cnn", "epo')
     weights = Path(cfg.out) / "checkpoints" / "cnn.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    assert T.cli(["--resume", cfg.out, "--no-progress"]) == 0
+    assert T.command_line(["--resume", cfg.out, "--no-progress"]) == 0
     from safetensors.torch import load_file
 
     assert set(load_file(weights)) == set(vitattn.create_model("cnn_cifar_small", num_classes=3).state_dict())
@@ -179,7 +180,7 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
     cfg = tiny(tmp_path, folder, epochs=1)
     T.main(cfg)
     before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
-    with T.hold(Path(cfg.out), True):  # as the first resume does while it runs
+    with T.checkpoint.hold(Path(cfg.out), True):  # as the first resume does while it runs
         refused(capsys, ["--resume", cfg.out], "is in use by another process")
     assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
 

@@ -54,12 +54,12 @@ def keep_on_host(monkeypatch) -> None:
         return original_tolist(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    monkeypatch.setattr(T, "load_cifar", on_host(T.load_cifar))
+    monkeypatch.setattr(T.data, "load_cifar", on_host(T.data.load_cifar))
     monkeypatch.setattr(T.vitattn, "create_model", on_host(T.vitattn.create_model))
-    monkeypatch.setattr(T, "load_checkpoint", on_host(T.load_checkpoint))
-    monkeypatch.setattr(T, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
+    monkeypatch.setattr(T.checkpoint, "load_checkpoint", on_host(T.checkpoint.load_checkpoint))
+    monkeypatch.setattr(T.train, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
     for name in ("save_atomic", "save_safetensors"):
-        monkeypatch.setattr(T, name, lambda *a, **k: None)
+        monkeypatch.setattr(T.checkpoint, name, lambda *a, **k: None)
     monkeypatch.setattr(T.report, "write_report", lambda *a, **k: None)
 
 
@@ -78,7 +78,7 @@ def config(tmp_path: Path, folder: Path, **kw) -> T.Config:
 
 
 def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
-    norm = T.Normalize().to(STAND_IN)
+    norm = T.data.Normalize().to(STAND_IN)
     with pytest.raises(RuntimeError, match="device"):
         norm(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
 
@@ -87,8 +87,8 @@ def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
                          ids=["fp32", "bf16", "fp16"])
 def test_a_fresh_run_keeps_data_model_and_sums_on_the_device(tmp_path, folder, stand_in, amp, monkeypatch):
     if amp:  # autocast has no meta backend: the CPU's is taken, which leaves meta ops as they are
-        cpu_autocast = T.autocast
-        for module in (T, T.vitattn.train):
+        cpu_autocast = T.runtime.autocast
+        for module in (T.runtime, T.train):
             monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
     s = T.main(config(tmp_path, folder, tta=True, **amp))
     assert s["status"] == "ok" and set(s["models"]) == {"vit", "cnn"}

@@ -125,37 +125,6 @@ def test_model_ema_is_the_closed_form_average_of_weights_and_buffers():
         model_ema(m, 1.0)
 
 
-def test_lookahead_pulls_weights_and_statistics_back_to_the_slow_average():
-    from vitattn.train import Lookahead
-
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    la = Lookahead(m, 0.9, every=2, power=1.0, start=0.3)
-    slow_w = slow_mean = None
-    for n in range(1, 9):
-        with torch.no_grad():
-            m[0].weight.normal_()
-        m(torch.randn(5, 3))  # moves the BatchNorm statistics
-        fast_w, fast_mean = m[0].weight.detach().clone(), m[1].running_mean.clone()
-        la.step(n, n / 8)
-        if n < 3 or n % 2:  # before 30% of the run, and between syncs, the weights are left alone
-            assert torch.equal(m[0].weight, fast_w) and (n < 4 or la.slow is not None)
-            continue
-        if slow_w is None:  # the first sync (step 4) only takes a copy
-            slow_w, slow_mean = fast_w, fast_mean
-        else:
-            rho = 0.9**2 * n / 8
-            slow_w, slow_mean = rho * slow_w + (1 - rho) * fast_w, rho * slow_mean + (1 - rho) * fast_mean
-        torch.testing.assert_close(m[0].weight.detach(), slow_w)  # training goes on from the average
-        torch.testing.assert_close(m[1].running_mean, slow_mean)
-    with torch.no_grad():
-        m[0].weight.zero_()
-    la.sync()
-    torch.testing.assert_close(m[0].weight.detach(), slow_w)
-    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
-        Lookahead(m, 1.0)
-
-
 def _muon_steps(opt_cls, shapes, steps=3, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
@@ -395,7 +364,7 @@ def test_a_run_from_before_the_background_option_resumes_on_its_texture(tmp_path
     saved = {k: v for k, v in dataclasses.asdict(T.Config(dataset="long-range", out=str(out))).items()
              if k != "long_range_background"}
     (out / "config.json").write_text(json.dumps(saved))
-    cfg = T.resumed_config(T.Config, str(out), "train_cifar.py", missing=T.OLD_RUN_VALUES)
+    cfg = T.cli.resumed_config(T.Config, str(out), "train_cifar.py", missing=T.OLD_RUN_VALUES)
     assert cfg.long_range_background == "texture"
 
 
@@ -419,11 +388,11 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
 # -- nothing lost ----------------------------------------------------------------------------
 @pytest.mark.parametrize("family, kw, at", [("cnn", {}, 10), ("vit", dict(model="vit", optimizer="muon", lr=1e-3), 10),
                                             ("cnn", dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12),
-                                            ("cnn", dict(lookahead_decay=0.9, padding_mode="reflect", momentum=0.85,
+                                            ("cnn", dict(padding_mode="reflect", momentum=0.85,
                                                          warmup_lr=0.01, min_lr=0.01), 10),
                                             ("vit", dict(model="vit", amp=True, amp_dtype="float16"), 10),
                                             ("cnn", dict(amp=True, amp_dtype="bfloat16"), 10)],
-                         ids=["cnn-sgd", "vit-muon", "cnn-ema", "cnn-lookahead", "vit-fp16", "cnn-bf16"])
+                         ids=["cnn-sgd", "vit-muon", "cnn-ema", "cnn-schedule", "vit-fp16", "cnn-bf16"])
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
@@ -493,7 +462,7 @@ def test_missing_data_says_how_to_supply_it_and_writes_nothing(tmp_path, capsys)
     with pytest.raises(DataError, match="--dataset long-range"):
         T.main(cfg)
     assert not Path(cfg.out).exists()
-    assert T.cli(["--data-dir", str(tmp_path / "nowhere"), "--out", cfg.out, "--no-progress"]) == 2
+    assert T.command_line(["--data-dir", str(tmp_path / "nowhere"), "--out", cfg.out, "--no-progress"]) == 2
     assert "cifar-10-batches-py" in capsys.readouterr().err and not Path(cfg.out).exists()
 
 
@@ -572,7 +541,7 @@ BAD_OPTIONS = [
     (["--long-range-train", "0"], "--long-range-train must be > 0"),
     (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
     (["--batch-size", "2.5"], "invalid int value"),
-    (["--vit-preset", "cnn_cifar"], "--vit-preset cnn_cifar is a cnn preset, expected a vit one"),
+    (["--vit-preset", "cnn_cifar"], "--vit-preset: cnn_cifar is a cnn preset, expected a vit one"),
     (["--cnn-preset", "nope"], "unknown preset 'nope'"),
     (["--resume", "runs/x", "--epochs", "3"], "drop .*--epochs"),
     (["--device", "tpu"], "not a device torch knows"),
@@ -592,7 +561,7 @@ BAD_OPTIONS = [
 def test_bad_options_exit_2_with_one_message(tmp_path, capsys, argv, message):
     out = tmp_path / "run"
     try:
-        code = T.cli([*argv, "--out", str(out), "--no-progress", "--dataset", "long-range"])
+        code = T.command_line([*argv, "--out", str(out), "--no-progress", "--dataset", "long-range"])
     except SystemExit as e:  # argparse's usage errors
         code = e.code
     err = capsys.readouterr().err
@@ -602,7 +571,7 @@ def test_bad_options_exit_2_with_one_message(tmp_path, capsys, argv, message):
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
     extra = ["--no-progress"] if "--resume" in argv else ["--no-progress", "--no-plots"]
-    code = T.cli([str(a) for a in argv] + extra)
+    code = T.command_line([str(a) for a in argv] + extra)
     io = capsys.readouterr()
     assert "Traceback" not in io.err + io.out
     return code, io.err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ except ImportError:  # pragma: no cover
 
 import torch
 from torch import nn
+
+from .runtime import set_rng_states
 
 # ---------------------------------------------------------------------------------------------
 # Files that survive a crash
@@ -88,6 +91,25 @@ def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> Non
                               "left untouched")
 
 
+def resume_checkpoint(path: Path, model: nn.Module, family: str) -> dict | None:
+    """The checkpoint at ``path`` read and checked against ``model``; None when there is none."""
+    if not Path(path).exists():
+        return None
+    ck = load_checkpoint(path)
+    check_checkpoint(ck, model, family, path)
+    return ck
+
+
+def restore(ck: dict, model: nn.Module, opt: Any, scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    """Load a checkpoint's weights, optimiser state, fp16 loss scale and random streams."""
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    if scaler.is_enabled() and "scaler" in ck:
+        scaler.load_state_dict(ck["scaler"])
+    rng = ck["rng"]
+    set_rng_states(rng if isinstance(rng, dict) else {"cpu": rng}, device)  # early runs kept the CPU's alone
+
+
 def save_safetensors(model: nn.Module, path: Path) -> None:
     """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
     from safetensors.torch import save_file
@@ -114,3 +136,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(s) for s in lines if s.strip()]
 
 
+def filter_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
+    """Keep the rows of a JSON-lines file that ``keep`` accepts (written atomically); no file, nothing to do."""
+    if Path(path).exists():
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))

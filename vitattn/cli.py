@@ -12,6 +12,7 @@ failure mid-run (with the command that resumes it), 128 + the signal when stoppe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -193,6 +194,39 @@ def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UsageError(f"--out {folder} cannot be created: {parent} is not a writable folder")
     return folder
+
+
+def start_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> None:
+    """Create the run folder checked by :func:`run_folder`, hold it for the run's life (its lock,
+    entered on ``stack``) and write ``config.json``; called once everything else is checked."""
+    from .checkpoint import hold, write_text_atomic  # checkpoint -> runtime -> cli: imported when used
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out} cannot be created ({e})") from None
+    stack.enter_context(hold(out, True))
+    write_text_atomic(out / "config.json", json.dumps({**dataclasses.asdict(config), "out": str(out)}, indent=1))
+
+
+def console_log(progress: bool) -> Callable[..., None]:
+    """Print a line; with a progress bar, above it (``tqdm.write``), so lines never land on the bar."""
+    if not progress:
+        return lambda *parts: print(*parts, flush=True)
+    from tqdm import tqdm
+
+    return lambda *parts: tqdm.write(" ".join(str(p) for p in parts), file=sys.stdout)
+
+
+def progress_bar(desc: str, total_steps: int | None, step: int, budget_s: float | None, seconds: float):
+    """A tqdm bar over the steps or, with a time budget, over its minutes (the budget is what
+    ends such a run, so that is what the total and the ETA count)."""
+    from tqdm import tqdm
+
+    if budget_s:
+        return tqdm(total=round(budget_s / 60, 2), initial=round(seconds / 60, 2), desc=desc, unit="min", disable=None,
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
+    return tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=None)
 
 
 class Signalled(KeyboardInterrupt):

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .data import ImageData
+
 LONG_RANGE_CLASSES = ("different", "same")
 
 # 3x3 glyphs with 5 pixels each; equal area keeps pixel counts from telling shapes apart.
@@ -329,6 +331,17 @@ def make_long_range(num: int, *, seed: int, img_size: int = 32,
     return dict(images=render_long_range(specs, img_size=img_size, background=background),
                 labels=specs["labels"].long(),
                 distance=specs["distance"].float())
+
+
+def long_range_data(num_train: int, num_test: int, *, seed: int, attribute: str = "alignment",
+                    background: str = "plain") -> tuple[ImageData, torch.Tensor]:
+    """The task as a data set (``train_cifar.py --dataset long-range``): ``num_train`` training and
+    ``num_test`` test scenes from disjoint streams of ``seed``, and the test scenes' distances."""
+    tr = make_long_range(num_train, seed=seed, attribute=attribute, background=background)
+    te = make_long_range(num_test, seed=seed + 1_000_000, attribute=attribute, background=background)
+    data = ImageData(tr["images"], tr["labels"], te["images"], te["labels"], CLASSES[attribute],
+                     f"generated long-range task ({attribute}, {background} background)")
+    return data, te["distance"]
 
 
 def _place(specs: dict[str, torch.Tensor], m: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Optimisers and what steps beside them: parameter groups without weight decay for biases,
 norms and position tables (timm's ``lr_scale`` per group), our own Muon (``torch.optim.Muon``'s
-steps with its Newton-Schulz in fp32 on a CPU), the chain that steps Muon and AdamW as one, an
-EMA of the weights and airbench's lookahead.
+steps with its Newton-Schulz in fp32 on a CPU), the chain that steps Muon and AdamW as one, the
+backward-and-step of a training loop and an EMA of the weights.
 
-References: Jordan et al. 2024 (Muon); airbench94 (lookahead, bias lr scale); timm
+References: Jordan et al. 2024 (Muon); airbench94 (bias lr scale); timm
 (``param_groups_weight_decay``, ``ModelEmaV3``).
 """
 
@@ -43,6 +43,20 @@ def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None
         g["lr"] = lr * g.get("lr_scale", 1.0)
 
 
+
+
+def backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer | OptimizerChain, scaler: torch.amp.GradScaler,
+                  params, grad_clip: float = 0.0) -> None:
+    """Backward and one optimiser step: gradients clipped to ``grad_clip`` (0 = off) after fp16's
+    loss scale is taken off them, so the clip sees the true gradients; ``scaler`` disabled is a
+    pass-through."""
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    if grad_clip > 0:
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(params, grad_clip)
+    scaler.step(opt)
+    scaler.update()
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -207,53 +221,3 @@ def model_ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedM
             torch._foreach_copy_(averaged, current)
 
     return torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=update, use_buffers=True)
-
-
-class Lookahead:
-    """airbench's lookahead: slow weights the fast (optimised) ones are pulled back to.
-
-    From ``start`` of the run on, every ``every`` steps: ``slow <- rho * slow + (1 - rho) * fast``,
-    then ``fast <- slow``, for every floating tensor of the state dict (BatchNorm statistics
-    too), with ``rho = (decay ** every) * progress ** power``, so it barely holds the weights back
-    early and averages strongly at the end (Zhang et al. 2019's Lookahead with a growing step;
-    Jordan 2024). Unlike an EMA that only reads the weights, training continues from the average.
-    """
-
-    def __init__(self, model: nn.Module, decay: float, every: int = 5, power: float = 3.0, start: float = 0.3) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"the lookahead decay must be in (0, 1), got {decay}")
-        self.model, self.decay, self.every, self.power, self.start = model, decay, every, power, start
-        self.slow: dict[str, torch.Tensor] | None = None  # made at the first sync after ``start``
-
-    def _floats(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.model.state_dict().items() if v.is_floating_point()}
-
-    @torch.no_grad()
-    def step(self, global_step: int, progress: float) -> None:
-        """Call after each optimiser step with the steps taken and the run's progress in [0, 1]."""
-        if progress < self.start or global_step % self.every:
-            return
-        fast = self._floats()
-        if self.slow is None:
-            self.slow = {k: v.detach().clone() for k, v in fast.items()}
-            return
-        rho = self.decay ** self.every * min(progress, 1.0) ** self.power
-        for k, v in fast.items():
-            self.slow[k].lerp_(v, 1.0 - rho)
-            v.copy_(self.slow[k])
-
-    @torch.no_grad()
-    def sync(self) -> None:
-        """``fast <- slow`` (airbench does it after every epoch, so the model tested is the average)."""
-        if self.slow is not None:
-            for k, v in self._floats().items():
-                v.copy_(self.slow[k])
-
-    def state_dict(self) -> dict:
-        return {"slow": self.slow}
-
-    def load_state_dict(self, state: dict) -> None:
-        slow, fast = state["slow"], self._floats()  # onto the model's device: checkpoints load on the CPU
-        self.slow = None if slow is None else {k: v.to(fast[k].device) for k, v in slow.items()}
-
-

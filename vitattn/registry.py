@@ -98,6 +98,27 @@ def list_models(pattern: str = "*") -> list[str]:
     return sorted(n for n in PRESETS if fnmatch.fnmatch(n, pattern))
 
 
+def describe_models(pattern: str = "*", defaults: dict[str, dict[str, str]] | None = None) -> str:
+    """One line per preset matching ``pattern``: name, family, parameters and what it is for,
+    marked where ``defaults`` (e.g. ``{dataset: {family: preset}}``) makes it a default."""
+    rows = []
+    for name in list_models(pattern):
+        family, _, purpose = PRESETS[name]
+        params = sum(p.numel() for p in create_model(name).parameters())
+        default = [k for k, d in (defaults or {}).items() if name in d.values()]
+        rows.append(f"{name:44s} {family:4s} {params / 1e6:6.2f}M  {purpose}"
+                    + (f" [default for {', '.join(default)}]" if default else ""))
+    return "\n".join(rows) or f"no preset matches {pattern!r}"
+
+
+def check_preset(name: str, families: Sequence[str] = ("vit", "cnn", "bof")) -> None:
+    """Raise ``ValueError`` unless ``name`` is a preset of one of ``families``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_models())}")
+    if PRESETS[name][0] not in families:
+        raise ValueError(f"{name} is a {PRESETS[name][0]} preset, expected a {' or '.join(families)} one")
+
+
 def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
     """The config of a preset with overrides applied (unknown fields raise a ``TypeError``)."""
     if name not in PRESETS:

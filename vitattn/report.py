@@ -11,6 +11,7 @@ References: Dosovitskiy et al. 2021, appendix D.7 (attention distance); Luo et a
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import write_text_atomic
+from .checkpoint import read_jsonl, write_text_atomic
 from .context import (
     attention_entropy,
     attention_rollout,
@@ -272,6 +273,25 @@ def _distance_table(res: dict) -> list[str]:
         lines.append(f"| {NAMES[fam]} | " + " | ".join("" if math.isnan(a) else f"{a:.3f}" for a in b["accuracy"])
                      + " |")
     return lines + [""]
+
+
+def write_outputs(out: Path, summary: dict, modules: dict[str, nn.Module], images: torch.Tensor, labels: torch.Tensor,
+                  classes, norm: nn.Module, plots: bool = True) -> None:
+    """A run's outputs: the global-context measures of ``modules`` on ``images`` (uint8 test
+    images, a fixed sample) added to ``summary``, then summary.json, the plots and report.md."""
+    summary["config"]["context_images"] = len(images)  # what the report's measures saw
+    context = {fam: context_metrics(m, norm(images)) for fam, m in modules.items()}
+    for fam, c in context.items():
+        summary["models"][fam]["erf_radius_px"] = [e["radius_px"] for e in c["erf"]]
+        if "attention_distance" in c:
+            summary["models"][fam]["attention_distance_px"] = c["attention_distance"].tolist()
+            summary["models"][fam]["attention_entropy_nats"] = c["attention_entropy"].tolist()
+    figs = []
+    if plots:
+        figs = write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context,
+                           images[:16].float().cpu() / 255, labels[:16].cpu(), classes)
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    write_report(out, summary, context, figs)
 
 
 def write_report(out: Path, summary: dict, context: dict, figs: list[Figure]) -> None:

@@ -47,6 +47,14 @@ def all_reduce_(t: torch.Tensor, dd: Dist, op=None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM reached a training loop at a step boundary (raised after it saved a checkpoint)."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or inf; the last good checkpoint is kept."""
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill, schedulers and containers send
 
 
@@ -130,6 +138,21 @@ def native_bf16(device: torch.device | str) -> bool:
     return False
 
 
+def precision_name(amp_dtype: torch.dtype | None, grad_scaler: bool = False) -> str:
+    """What a run's arithmetic is, in words: 'fp32', 'bfloat16 autocast', 'float16 autocast + grad scaler'."""
+    if amp_dtype is None:
+        return "fp32"
+    return f"{str(amp_dtype).removeprefix('torch.')} autocast" + (" + grad scaler" if grad_scaler else "")
+
+
+def precision_warning(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """A warning when ``dtype`` is bf16 on a device without native bf16 products, else None."""
+    if dtype != torch.bfloat16 or native_bf16(device):
+        return None
+    return (f"{device} has no native bf16 (no avx512_bf16 / amx_bf16 flags), so bf16 products are emulated and run "
+            "many times slower than fp32 (docs/performance.md); drop --amp for fp32")
+
+
 def autocast(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` in ``dtype`` on ``device``, or nothing for ``None`` (fp32)."""
     if dtype is None:
@@ -146,6 +169,24 @@ def setup_distributed(device: torch.device) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def place_process(name: str) -> tuple[Dist, torch.device]:
+    """This process's place in a torchrun (one process when there is none) and its device:
+    ``name`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) taken at the local rank, made CUDA's current."""
+    dd = setup_distributed(pick_device(name, int(os.environ.get("LOCAL_RANK", "0"))))
+    device = pick_device(name, dd.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dd, device
+
+
+def wrap_model(model: nn.Module, dd: Dist, device: torch.device, compile: bool = False) -> nn.Module:
+    """The module a training step calls: ``model`` in DistributedDataParallel across a torchrun's
+    ranks, then compiled (compiling the DDP module lets its optimiser split graphs at buckets)."""
+    if dd.world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return torch.compile(model) if compile else model
 
 
 def average_buffers(model: nn.Module, dd: Dist) -> None:

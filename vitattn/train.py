@@ -33,11 +33,10 @@ from .checkpoint import (  # noqa: F401
     save_safetensors,
     write_text_atomic,
 )
-from .cli import option
+from .cli import UsageError, option
 from .data import PADDING_MODES
 from .optim import (  # noqa: F401
     OPTIMIZERS,
-    Lookahead,
     Muon,
     OptimizerChain,
     build_optimizer,
@@ -101,9 +100,28 @@ class Recipe:
     padding_mode: str = option("constant", "augmentation: what a shift brings in at the border, zeros "
                                            "('constant') or the mirrored image ('reflect')",
                                choices=PADDING_MODES)
-    lookahead_decay: float = option(0.0, "airbench's lookahead (Lookahead): pull the weights back to a slow "
-                                         "average every 5 steps from 30%% of the run on, with this base decay "
-                                         "(airbench: 0.95), in [0, 1); 0 = off")
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_lr", "min_lr"):
+            if getattr(self, name) > self.lr:
+                raise UsageError(f"--{name.replace('_', '-')} must not exceed the peak --lr ({self.lr:g}), got "
+                                 f"{getattr(self, name):g}")
+
+    def check_data(self, family: str, size: tuple[int, int], num_train: int, world: int = 1) -> None:
+        """Refuse a recipe that cannot train on ``num_train`` images of ``size`` over ``world`` processes."""
+        for flag, pixels in (("--translate", self.translate), ("--cutout", self.cutout)):
+            if pixels >= min(size):  # a shift or hole this large leaves blank images to train on
+                raise UsageError(f"{flag} must be smaller than the {size[0]}x{size[1]} images, got {pixels}")
+        if self.batch_size % world:
+            raise UsageError(f"{family}: --batch-size is the global batch and must split evenly over the {world} "
+                             f"processes, got {self.batch_size}; use a multiple of {world}")
+        if num_train // world < self.batch_size // world:
+            raise UsageError(f"{family}: a batch of {self.batch_size} over {world} process(es) needs at least that "
+                             f"many training images, got {num_train}; lower --batch-size")
+
+    def lr_at(self, progress: float) -> float:
+        """The learning rate at ``progress`` in [0, 1] of the run (:func:`get_lr`)."""
+        return get_lr(progress, self.lr, self.warmup, self.decay, self.warmup_lr, self.min_lr)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -154,6 +172,13 @@ def get_lr(progress: float, peak: float, warmup: float, decay: str, warmup_lr: f
     if decay == "linear":
         return min_lr + (peak - min_lr) * (1.0 - t)
     raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
+
+
+def run_progress(step: int, total_steps: int | None, seconds: float, budget_s: float | None) -> float:
+    """How far a run is, in [0, 1] when unfinished: by its steps or by its time budget (seconds
+    of training steps), whichever is further along; the lr schedule runs on it."""
+    by_steps = step / total_steps if total_steps else 0.0
+    return max(by_steps, seconds / budget_s) if budget_s else by_steps
 
 
 
