@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
                         f"{', '.join(VARIANTS)}")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (compiled vs compiled)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for CUDA)")
-    p.add_argument("--pipeline-preset", default="vit_cifar_patch4", help="vitattn preset for case (d)")
+    p.add_argument("--pipeline-preset", default="vit_quick", help="vitattn preset for case (d)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-memory", action="store_true", help="skip the profiled peak-memory step")

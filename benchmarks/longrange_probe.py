@@ -12,9 +12,9 @@ batch 64, horizontal flips where they keep the label):
 - ``--cue colour`` (pointing only): the arrow's colour names its direction (colours 0-3), the plus
   takes colour 4 or 5, so a linear patch embedding can see the direction; no flips.
 
-    python benchmarks/longrange_probe.py --preset vit_cifar_small_patch4 --target direction \
+    python benchmarks/longrange_probe.py --preset vit_quick --target direction \
         --over '{"class_token": false, "global_pool": "max"}' --minutes 1
-    python benchmarks/longrange_probe.py --preset cnn_cifar_small --sgd --lr 0.1 --wd 5e-4 --cue colour
+    python benchmarks/longrange_probe.py --preset cnn_quick --sgd --lr 0.1 --wd 5e-4 --cue colour
     python benchmarks/longrange_probe.py --task colour --background plain --minutes 1.5 \
         --over '{"depth": 4, "class_token": false, "global_pool": "max"}'
 """
@@ -45,7 +45,7 @@ def scenes(n: int, seed: int, task: str, background: str, target: str, cue: str)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="vit_cifar_small_patch4")
+    p.add_argument("--preset", default="vit_quick")
     p.add_argument("--over", default="{}", help="JSON of config overrides")
     p.add_argument("--task", default="pointing", choices=("pointing", "alignment", "colour"))
     p.add_argument("--background", default="texture", choices=tuple(BACKGROUNDS))

@@ -13,15 +13,15 @@ difference g_b(true labels) - g_b(shuffled) isolates the part that depends on th
 1 when the labels give the model nothing first-order to follow. A task whose label no single
 place carries gives a model whose features are still local (or uniformly mixed) exactly that.
 
-    python benchmarks/longrange_signal.py --preset vit_cifar_patch4 cnn_cifar --task alignment colour
-    python benchmarks/longrange_signal.py --preset vit_cifar_patch4_maxpool --task alignment --background plain
+    python benchmarks/longrange_signal.py --preset vit_quick cnn_longrange --task alignment colour
+    python benchmarks/longrange_signal.py --preset vit_longrange --task alignment --background plain
 
 For a ViT the table also gives where its first block starts: the entropy of the attention rows
 (ln 64 = 4.159 is uniform over 8x8 patches), the mean of each row's largest weight (1/64 =
 0.016 if uniform), and the gradient of the q, k and v projections relative to their weights
 (``||grad|| / ||W||`` over the batches' mean gradient):
 
-    python benchmarks/longrange_signal.py --preset vit_cifar_shallow_patch4_gap_sincos --task alignment \
+    python benchmarks/longrange_signal.py --preset vit_longrange --task alignment \
         --background plain --seed S [--over '{"qk_norm": true}']
 """
 
@@ -68,7 +68,7 @@ def attention_start(vit: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", nargs="+", default=["vit_cifar_patch4", "cnn_cifar"])
+    p.add_argument("--preset", nargs="+", default=["vit_quick", "cnn_longrange"])
     p.add_argument("--over", default="{}", help="JSON of config overrides for every preset")
     p.add_argument("--task", nargs="+", default=["alignment", "colour"], choices=ATTRIBUTES)
     p.add_argument("--background", default="texture", choices=tuple(BACKGROUNDS))

@@ -6,7 +6,7 @@ bfloat16) and the chain with ``vitattn.train.Muon`` (the same steps, Newton-Schu
 CPU). Every round visits every optimiser, in rotating order; the table gives medians. Also times
 the Newton-Schulz iteration alone on the model's matrices, in both dtypes.
 
-    python benchmarks/optimizer_step.py --model vit_cifar_small_patch4 --batch 256
+    python benchmarks/optimizer_step.py --model vit_quick --batch 256
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def seconds(fn, iters: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="vit_cifar_small_patch4")
+    p.add_argument("--model", default="vit_quick")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=3, help="steps timed per optimiser per round")

@@ -27,6 +27,7 @@ import dataclasses
 import io
 import json
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +94,31 @@ def machine(name: str) -> str:
     return MACHINES.get(tag, "unknown")
 
 
+# names a study driver registered for one run; their config fields are in the run's kwargs
+DRIVER_PRESETS = {"vit_cifar_shallow_patch4_gap_sincos_heads6": "vit_cifar_shallow_patch4_gap_sincos"}
+DATA_FIELDS = ("img_size", "num_classes", "in_chans")  # set from the data by train_cifar.py
+
+
+def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
+    """A run's model as today's preset nearest to it plus the fields that differ, whatever names
+    it was run under (earlier releases' names resolve through ``vitattn.registry.DEPRECATED``)."""
+    import vitattn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ran = vitattn.get_config(DRIVER_PRESETS.get(preset, preset), **json.loads(kwargs or "{}"))
+    best = None
+    for name in vitattn.list_models():
+        ours = vitattn.get_config(name)
+        if type(ours) is not type(ran):
+            continue
+        diff = {k: v for k, v in dataclasses.asdict(ran).items()
+                if k not in DATA_FIELDS and v != getattr(ours, k)}
+        if best is None or len(diff) < len(best[1]):
+            best = (name, diff)
+    return best
+
+
 def command(config: dict, family: str) -> str:
     """The train_cifar.py command of a saved config: the options that differ from today's defaults."""
     import train_cifar
@@ -113,6 +139,8 @@ def command(config: dict, family: str) -> str:
             continue
         if k == "context_images" and v == 128:  # today's default (None) takes 128 test images too
             continue
+        if k == f"{family}_preset" and v == train_cifar.DEFAULT_PRESETS[config.get("dataset", "cifar10")][family]:
+            continue  # today's default for the data set
         if isinstance(v, float):
             v = f"{v:g}"
         flag = "--" + k.replace("_", "-")
@@ -130,9 +158,12 @@ def run_rows(name: str, s: dict) -> list[dict]:
     rows = []
     for family, m in s["models"].items():
         recipe = m.get("recipe", {})
+        slot = "vit" if family == "vit" else "cnn"
+        preset, kwargs = canonical(m["preset"], cfg.get(f"{slot}_kwargs", "{}"))
+        kwargs = json.dumps(kwargs) if kwargs else "{}"
+        cfg = {**cfg, f"{slot}_preset": preset, f"{slot}_kwargs": kwargs}
         rows.append({
-            "run": name, "model": family, "preset": m.get("preset"),
-            "model_kwargs": cfg.get("vit_kwargs" if family == "vit" else "cnn_kwargs", "{}"),
+            "run": name, "model": family, "preset": preset, "model_kwargs": kwargs,
             "optimizer": recipe.get("optimizer"), "lr": recipe.get("lr"), "batch_size": recipe.get("batch_size"),
             "epochs": round(m["epochs"], 2), "budget_min": cfg.get("time_budget"), "seed": cfg.get("seed"),
             "accuracy": round(m["final_acc"], 4), "best_accuracy": round(m.get("best_acc", m["final_acc"]), 4),

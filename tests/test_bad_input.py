@@ -153,7 +153,7 @@ def test_an_out_folder_that_cannot_be_made_is_refused(tmp_path, folder, capsys):
 
 
 def test_resuming_with_another_models_checkpoint_is_refused_and_keeps_it(tmp_path, folder, capsys):
-    a, b = tiny(tmp_path / "a", folder, epochs=1), tiny(tmp_path / "b", folder, epochs=1, cnn_preset="cnn_cifar")
+    a, b = tiny(tmp_path / "a", folder, epochs=1), tiny(tmp_path / "b", folder, epochs=1, cnn_preset="cnn_longrange")
     T.main(a)
     T.main(b)
     other = Path(b.out) / "checkpoints" / "cnn.pt"
@@ -172,7 +172,7 @@ def test_a_run_resumes_past_a_metrics_line_cut_by_a_crash_and_rewrites_cut_weigh
     assert T.command_line(["--resume", cfg.out, "--no-progress"]) == 0
     from safetensors.torch import load_file
 
-    assert set(load_file(weights)) == set(vitattn.create_model("cnn_cifar_small", num_classes=3).state_dict())
+    assert set(load_file(weights)) == set(vitattn.create_model("cnn_quick", num_classes=3).state_dict())
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -187,30 +187,30 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
 
 # -- the library --------------------------------------------------------------------------------
 @pytest.mark.parametrize("make, error, message", [
-    (lambda: vitattn.create_model("vit_cifar_patch4", depth="x"), TypeError, "depth must be a whole number"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", depth=0), ValueError, "depth must be >= 1, got 0"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", num_heads=0), ValueError, "num_heads must be >= 1"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", patch_size=0), ValueError, "patch_size must be >= 1"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", mlp_ratio=-1), ValueError, r"mlp_ratio must be in \(0.0"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", num_classes=-1), ValueError, "num_classes must be >= 0"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", drop_path_rate=1.5), ValueError, "drop_path_rate"),
-    (lambda: vitattn.create_model("cnn_cifar", widths=[]), ValueError, "widths must be a non-empty list"),
-    (lambda: vitattn.create_model("cnn_cifar").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
-    (lambda: vitattn.create_model("vit_cifar_patch4").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", score="cosine"), ValueError, "unknown score 'cosine'"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", dynamic_img_size="yes"), TypeError, "must be true or false"),
-    (lambda: vitattn.create_model("vit_cifar_patch4", window_size=2, window_block_indexes=[99]), ValueError,
+    (lambda: vitattn.create_model("vit_quick", depth="x"), TypeError, "depth must be a whole number"),
+    (lambda: vitattn.create_model("vit_quick", depth=0), ValueError, "depth must be >= 1, got 0"),
+    (lambda: vitattn.create_model("vit_quick", num_heads=0), ValueError, "num_heads must be >= 1"),
+    (lambda: vitattn.create_model("vit_quick", patch_size=0), ValueError, "patch_size must be >= 1"),
+    (lambda: vitattn.create_model("vit_quick", mlp_ratio=-1), ValueError, r"mlp_ratio must be in \(0.0"),
+    (lambda: vitattn.create_model("vit_quick", num_classes=-1), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_quick", drop_path_rate=1.5), ValueError, "drop_path_rate"),
+    (lambda: vitattn.create_model("cnn_longrange", widths=[]), ValueError, "widths must be a non-empty list"),
+    (lambda: vitattn.create_model("cnn_longrange").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_quick").reset_classifier(-3), ValueError, "num_classes must be >= 0"),
+    (lambda: vitattn.create_model("vit_quick", score="cosine"), ValueError, "unknown score 'cosine'"),
+    (lambda: vitattn.create_model("vit_quick", dynamic_img_size="yes"), TypeError, "must be true or false"),
+    (lambda: vitattn.create_model("vit_quick", window_size=2, window_block_indexes=[99]), ValueError,
      r"window_block_indexes must be block indices in 0..5, got \[99\]"),
-    (lambda: vitattn.create_model("cnn_cifar", dirac_init=1), TypeError, "dirac_init must be true or false"),
+    (lambda: vitattn.create_model("cnn_longrange", dirac_init=1), TypeError, "dirac_init must be true or false"),
     (lambda: vitattn.list_models(5), TypeError, "shell-style pattern"),
-    (lambda: vitattn.to_timm(vitattn.create_model("cnn_cifar_small")), TypeError, "takes a vitattn ViT"),
+    (lambda: vitattn.to_timm(vitattn.create_model("cnn_quick")), TypeError, "takes a vitattn ViT"),
 ])
 def test_library_arguments_are_checked_where_they_enter(make, error, message):
     with pytest.raises(error, match=message):
         make()
 
 
-@pytest.mark.parametrize("name", ["vit_cifar_small_patch4", "cnn_cifar_small"])
+@pytest.mark.parametrize("name", ["vit_quick", "cnn_quick"])
 @pytest.mark.parametrize("dtype, message", [(torch.uint8, "expected floating-point images"),
                                             (torch.float64, "expected torch.float32 images"),
                                             (torch.float16, "expected torch.float32 images")])
@@ -226,7 +226,7 @@ def test_detection_and_attention_maps_want_a_vit():
     from vitattn.detection import ViTDetBackbone
     from vitattn.report import attention_maps
 
-    cnn = vitattn.create_model("cnn_cifar_small")
+    cnn = vitattn.create_model("cnn_quick")
     with pytest.raises(TypeError, match="ViTDetBackbone takes a vitattn ViT, got SmallCNN"):
         ViTDetBackbone(cnn)
     with pytest.raises(TypeError, match="attention maps need a model with get_attention_maps"):

@@ -407,7 +407,7 @@ def test_bag_of_local_features_control_sees_5x5_and_forgets_where():
     import vitattn
 
     torch.manual_seed(0)
-    m = vitattn.create_model("bof_local").eval()
+    m = vitattn.create_model("bof_longrange").eval()
     x = torch.randn(4, 3, 32, 32)
     assert m(x).shape == (4, 2)
     fields = effective_receptive_field(m, x)

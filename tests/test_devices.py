@@ -71,8 +71,8 @@ def stand_in(monkeypatch):
 
 
 def config(tmp_path: Path, folder: Path, **kw) -> T.Config:
-    base = dict(data_dir=str(folder), out=str(tmp_path / "run"), model="both", cnn_preset="cnn_cifar_small",
-                vit_preset="vit_cifar_small_patch4", epochs=2, batch_size=12, lr=0.05, progress=False, plots=False,
+    base = dict(data_dir=str(folder), out=str(tmp_path / "run"), model="both", cnn_preset="cnn_quick",
+                vit_preset="vit_quick", epochs=2, batch_size=12, lr=0.05, progress=False, plots=False,
                 context_images=8, device="meta", channels_last=False)  # fake tensors do not change layout
     return T.Config(**{**base, **kw})
 
@@ -150,7 +150,7 @@ def test_the_package_and_its_muon_need_no_torch_optim_muon():
     code = ("import torch; del torch.optim.Muon\n"
             "import vitattn, train_cifar\n"
             "from vitattn.train import RECIPES, build_optimizer\n"
-            "m = vitattn.create_model('vit_cifar_small_patch4', num_classes=3)\n"
+            "m = vitattn.create_model('vit_quick', num_classes=3)\n"
             "opt = build_optimizer(m, RECIPES['vit'])\n"
             "m(torch.randn(2, 3, 32, 32)).sum().backward(); opt.step(); print(type(opt.optimizers[0]).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -29,7 +29,7 @@ def small_vit(**over) -> torch.nn.Module:
 
 def small_cnn() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = vitattn.create_model("cnn_cifar_small", num_classes=10).eval()
+    model = vitattn.create_model("cnn_quick", num_classes=10).eval()
     with torch.no_grad():  # non-trivial BatchNorm statistics, so eval mode is actually exercised
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):

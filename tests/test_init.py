@@ -139,7 +139,7 @@ def test_to_2tuple_and_feature_take_indices():
 
 
 def test_every_model_checks_its_layer_indices_the_same_way():
-    cnn = vitattn.create_model("cnn_cifar_small")
+    cnn = vitattn.create_model("cnn_quick")
     vit = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
     for model, x in ((cnn, torch.randn(1, 3, 32, 32)), (vit, torch.randn(1, 3, 16, 16))):
         with pytest.raises(ValueError, match="out of range"):

@@ -37,7 +37,7 @@ def test_the_copy_decodes_to_cifar10(cifar):
 def test_cifar_presets_run_on_real_batches(cifar):
     torch.manual_seed(0)
     x = D.Normalize()(cifar.test_x[:16])
-    for name in ("vit_cifar_small_patch4", "cnn_cifar_fast", "cnn_cifar_whiten"):
+    for name in ("vit_cifar10", "vit_quick", "cnn_cifar10", "cnn_longrange"):
         model = vitattn.create_model(name).eval()
         if hasattr(model, "init_stem"):
             model.init_stem(D.Normalize()(cifar.train_x[:5000]))

@@ -22,7 +22,7 @@ def groups_by_name(model, opt) -> dict[str, tuple[float, float]]:
 def test_timm_optimizer_factory_keeps_tokens_norms_biases_out_of_decay_and_scales_lr_by_depth():
     from timm.optim import create_optimizer_v2
 
-    model = vitattn.create_model("vit_cifar_small_patch4", num_classes=10)  # depth 6
+    model = vitattn.create_model("vit_quick", num_classes=10)  # depth 6
     opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.75)
     g = groups_by_name(model, opt)
     for name in ("pos_embed", "cls_token", "patch_embed.proj.bias", "blocks.0.norm1.weight", "blocks.3.attn.qkv.bias",
@@ -35,15 +35,15 @@ def test_timm_optimizer_factory_keeps_tokens_norms_biases_out_of_decay_and_scale
     for i in range(depth):
         assert g[f"blocks.{i}.attn.qkv.weight"][0] == pytest.approx(0.75 ** (depth - i))
     assert g["head.weight"][0] == 1.0
-    cnn = vitattn.create_model("cnn_cifar_small")
+    cnn = vitattn.create_model("cnn_quick")
     g = groups_by_name(cnn, create_optimizer_v2(cnn, "sgd", lr=0.1, weight_decay=5e-4, layer_decay=0.8))
     assert g["stem.0.weight"][0] < g["stages.0.0.0.weight"][0] < g["stages.2.1.0.weight"][0] < g["head.weight"][0]
     assert g["stages.1.0.2.bias"][1] == 0.0 and g["stages.1.0.0.weight"][1] == 5e-4
 
 
-@pytest.mark.parametrize("name, size, mean", [("vit_cifar_small_patch4", 32, CIFAR10_MEAN),
+@pytest.mark.parametrize("name, size, mean", [("vit_quick", 32, CIFAR10_MEAN),
                                               ("vit_tiny_patch16_224", 224, (0.5, 0.5, 0.5)),
-                                              ("cnn_cifar_small", 32, CIFAR10_MEAN)])
+                                              ("cnn_quick", 32, CIFAR10_MEAN)])
 def test_timm_data_config_reads_the_models_own_values(name, size, mean):
     from timm.data import resolve_data_config
 
@@ -68,7 +68,7 @@ def _grads_and_saved_bytes(model, x):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, saved[0]
 
 
-@pytest.mark.parametrize("name", ["vit_cifar_small_patch4", "cnn_cifar_small"])
+@pytest.mark.parametrize("name", ["vit_quick", "cnn_quick"])
 def test_grad_checkpointing_gives_equal_gradients_and_keeps_fewer_activations(name):
     torch.manual_seed(0)
     model = vitattn.create_model(name, num_classes=10).eval()  # eval: BatchNorm and dropout draw nothing
@@ -114,31 +114,31 @@ def test_pretrained_offline_without_a_file_says_how_to_supply_one():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert "could not be loaded" in p.stdout and "pretrained_cfg_overlay=dict(file=" in p.stdout, p.stdout + p.stderr
-    with pytest.raises(ValueError, match="no pretrained weights for vit_cifar_patch4"):
-        vitattn.create_model("vit_cifar_patch4", pretrained=True)
+    with pytest.raises(ValueError, match="no pretrained weights for vit_quick"):
+        vitattn.create_model("vit_quick", pretrained=True)
 
 
 def test_checkpoint_path_loads_a_vitattn_checkpoint_strictly(tmp_path):
     from safetensors.torch import save_file
 
     torch.manual_seed(1)
-    source = vitattn.create_model("vit_cifar_small_patch4", num_classes=3)
+    source = vitattn.create_model("vit_quick", num_classes=3)
     save_file(source.state_dict(), str(tmp_path / "vit.safetensors"))
     torch.save({"model": source.state_dict(), "optimizer": {}, "state": {}}, tmp_path / "vit.pt")
     for f in ("vit.safetensors", "vit.pt"):
-        model = vitattn.create_model("vit_cifar_small_patch4", num_classes=3, checkpoint_path=str(tmp_path / f))
+        model = vitattn.create_model("vit_quick", num_classes=3, checkpoint_path=str(tmp_path / f))
         for k, v in source.state_dict().items():
             assert torch.equal(model.state_dict()[k], v), (f, k)
     with pytest.raises(ValueError, match="does not hold this model's weights"):
-        vitattn.create_model("vit_cifar_patch4", checkpoint_path=str(tmp_path / "vit.safetensors"))
+        vitattn.create_model("vit_quick", checkpoint_path=str(tmp_path / "vit.safetensors"))
     with pytest.raises(ValueError, match="cannot read weights"):
-        vitattn.create_model("vit_cifar_small_patch4", checkpoint_path=str(tmp_path / "missing.pt"))
+        vitattn.create_model("vit_quick", checkpoint_path=str(tmp_path / "missing.pt"))
 
 
 @pytest.mark.parametrize("name, out_indices, channels, reduction", [
-    ("vit_cifar_small_patch4", 2, [128, 128], [4, 4]),
+    ("vit_quick", 2, [128, 128], [4, 4]),
     ("vit_tiny_patch16_224", (0, 5, 11), [192] * 3, [16] * 3),
-    ("cnn_cifar_small", None, [32, 96, 96], [2, 4, 8]),
+    ("cnn_quick", None, [32, 96, 96], [2, 4, 8]),
 ])
 def test_features_only_returns_the_maps_feature_info_describes(name, out_indices, channels, reduction):
     model = vitattn.create_model(name, features_only=True, out_indices=out_indices)

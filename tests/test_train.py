@@ -30,7 +30,7 @@ SCORE_KEYS = ("model", "epoch", "step", "train_loss", "train_acc", "test_loss", 
 
 
 def tiny(tmp_path: Path, data_dir, **kw) -> T.Config:
-    base = dict(data_dir=str(data_dir), out=str(tmp_path / "run"), model="cnn", cnn_preset="cnn_cifar_small",
+    base = dict(data_dir=str(data_dir), out=str(tmp_path / "run"), model="cnn", cnn_preset="cnn_quick",
                 epochs=3, batch_size=12, lr=0.05, progress=False, plots=False)
     return T.Config(**{**base, **kw})
 
@@ -73,7 +73,7 @@ def test_lr_schedule_can_start_and_end_above_zero():
 def test_weight_decay_skips_biases_norms_and_position_tables():
     import vitattn
 
-    m = vitattn.create_model("vit_cifar_small_patch4")
+    m = vitattn.create_model("vit_quick")
     decay, no_decay = param_groups(m, 0.05)
     names = {id(p): n for n, p in m.named_parameters()}
     skipped = {names[id(p)] for p in no_decay["params"]}
@@ -85,14 +85,14 @@ def test_bias_lr_scale_speeds_up_only_the_parameters_without_decay():
     import vitattn
     from vitattn.train import build_optimizer, set_lr
 
-    m = vitattn.create_model("cnn_cifar_small")
+    m = vitattn.create_model("cnn_quick")
     for name in ("sgd", "adamw"):
         opt = build_optimizer(m, replace(RECIPES["cnn"], optimizer=name, bias_lr_scale=64.0))
         set_lr(opt, 0.1)
         decay, no_decay = opt.param_groups
         assert decay["lr"] == pytest.approx(0.1) and no_decay["lr"] == pytest.approx(6.4)
         assert all(p.ndim == 1 for p in no_decay["params"]) and decay["weight_decay"] > 0 == no_decay["weight_decay"]
-    vit = vitattn.create_model("vit_cifar_small_patch4")
+    vit = vitattn.create_model("vit_quick")
     opt = build_optimizer(vit, replace(RECIPES["vit"], bias_lr_scale=3.0))  # Muon + AdamW
     set_lr(opt, 0.01)
     assert sorted(round(g["lr"], 6) for g in opt.param_groups) == [0.01, 0.01, 0.03]
@@ -175,7 +175,7 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
 
     def make():
         torch.manual_seed(0)
-        m = vitattn.create_model("vit_cifar_small_patch4", depth=2, embed_dim=32, num_heads=2)
+        m = vitattn.create_model("vit_quick", depth=2, embed_dim=32, num_heads=2)
         return m, build_optimizer(m, replace(RECIPES["vit"], optimizer="muon", lr=3e-3))
 
     m, opt = make()
@@ -212,7 +212,7 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
     with pytest.raises(ValueError, match="state of 2 chained optimisers"):
         opt2.load_state_dict({"chain": state["chain"][:1]})
     with pytest.raises(ValueError, match="needs 2-D weights in blocks"):
-        build_optimizer(vitattn.create_model("cnn_cifar_small"), replace(RECIPES["cnn"], optimizer="muon"))
+        build_optimizer(vitattn.create_model("cnn_quick"), replace(RECIPES["cnn"], optimizer="muon"))
 
 
 def test_test_time_augmentation_views_and_weights():
@@ -246,7 +246,7 @@ def test_test_time_augmentation_views_and_weights():
 def test_flops_per_image_counts_every_matrix_product():
     import vitattn
 
-    m = vitattn.create_model("vit_cifar_patch4")  # D 192, depth 6, mlp 2, 64 patches of 4x4 + class token
+    m = vitattn.create_model("vit_quick", embed_dim=192, num_heads=3)  # D 192, depth 6, mlp 2, 64 patches + cls
     d, t, depth = 192, 65, 6
     per_block = 2 * t * (3 * d * d + d * d + 2 * 2 * d * d) + 4 * t * t * d  # qkv, proj, mlp; QK^T and AV
     # the last block runs for the class token only: k, v of every token; q, attention, proj, mlp of one
@@ -259,19 +259,19 @@ def test_cli_help_and_preset_routing(capsys):
     with pytest.raises(SystemExit) as e:
         T.parse_args(["--help"])
     assert e.value.code == 0 and "--time-budget" in capsys.readouterr().out
-    cfg = T.parse_args(["--vit-preset", "vit_cifar_lee_patch4", "--cnn-preset", "cnn_cifar_small", "--bf16"])
-    assert (cfg.vit_preset, cfg.cnn_preset, cfg.bf16) == ("vit_cifar_lee_patch4", "cnn_cifar_small", True)
+    cfg = T.parse_args(["--vit-preset", "vit_longrange", "--cnn-preset", "cnn_quick", "--bf16"])
+    assert (cfg.vit_preset, cfg.cnn_preset, cfg.bf16) == ("vit_longrange", "cnn_quick", True)
     assert (cfg.amp, cfg.autocast_dtype()) == (True, torch.bfloat16)  # --bf16 is --amp --amp-dtype bfloat16
     assert T.parse_args(["--amp", "--amp-dtype", "float16"]).autocast_dtype() == torch.float16
     assert T.parse_args([]).autocast_dtype() is None
     with pytest.raises(SystemExit):
-        T.parse_args(["--vit-preset", "cnn_cifar"])  # a CNN preset where a ViT one belongs
+        T.parse_args(["--vit-preset", "cnn_longrange"])  # a CNN preset where a ViT one belongs
 
 
 # -- end to end ------------------------------------------------------------------------------
 def test_both_models_train_and_every_output_appears(tmp_path, folder):
     cfg = tiny(tmp_path, folder, model="both", epochs=3, plots=True, lr=None,
-               vit_preset="vit_cifar_small_patch4", batch_size=12)
+               vit_preset="vit_quick", batch_size=12)
     s = T.main(cfg)
     out = Path(cfg.out)
     assert s["status"] == "ok"
@@ -315,7 +315,7 @@ def test_the_other_layouts_train(tmp_path, layout):
 def test_a_whitening_stem_is_set_from_the_training_images(tmp_path, folder):
     import vitattn
 
-    cfg = tiny(tmp_path, folder, cnn_preset="cnn_cifar_whiten", epochs=2)
+    cfg = tiny(tmp_path, folder, cnn_preset="cnn_cifar10", epochs=2)
     s = T.main(cfg)
     rows = metrics(s["out"])
     assert s["status"] == "ok" and rows[-1]["train_loss"] < rows[0]["train_loss"]
@@ -328,7 +328,7 @@ def test_a_whitening_stem_is_set_from_the_training_images(tmp_path, folder):
 
 def test_long_range_reports_accuracy_against_distance(tmp_path):
     s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_train=96, long_range_test=64, epochs=1,
-                    model="both", vit_preset="vit_cifar_small_patch4"))
+                    model="both", vit_preset="vit_quick"))
     for fam in ("vit", "cnn"):
         b = s["models"][fam]["accuracy_by_distance"]
         assert sum(b["count"]) == 64 and len(b["accuracy"]) == len(b["edges"]) - 1
@@ -339,16 +339,16 @@ def test_long_range_reports_accuracy_against_distance(tmp_path):
     ("pointing", ["away", "towards"], 7), ("alignment", ["same row", "same column"], 3)])
 def test_the_relation_tasks_run_end_to_end(tmp_path, task, classes, edges):
     s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_task=task, long_range_train=96,
-                    long_range_test=64, epochs=1, cnn_preset="bof_local"))  # the CNN slot takes the control
+                    long_range_test=64, epochs=1, cnn_preset="bof_longrange"))  # the CNN slot takes the control
     assert s["classes"] == classes and task in s["data_source"]
-    assert s["models"]["cnn"]["preset"] == "bof_local" and len(s["models"]["cnn"]["erf_radius_px"]) == 2
+    assert s["models"]["cnn"]["preset"] == "bof_longrange" and len(s["models"]["cnn"]["erf_radius_px"]) == 2
     by = s["models"]["cnn"]["accuracy_by_distance"]
     assert sum(by["count"]) == 64 and len(by["accuracy"]) == edges
 
 
 def test_model_kwargs_change_the_preset_and_are_recorded(tmp_path):
     s = T.main(tiny(tmp_path, "unused", dataset="long-range", long_range_train=96, long_range_test=64, epochs=1,
-                    model="both", vit_preset="vit_cifar_small_patch4",
+                    model="both", vit_preset="vit_quick",
                     vit_kwargs='{"depth": 1, "pos_embed": "sincos2d"}', cnn_kwargs='{"widths": [16, 32]}'))
     vit, cnn = s["modules"]["vit"], s["modules"]["cnn"]
     assert len(vit.blocks) == 1 and vit.config.pos_embed == "sincos2d" and vit.num_classes == 2
@@ -424,7 +424,7 @@ def test_a_stop_signal_on_the_command_line_saves_and_exits_cleanly(tmp_path, fol
     """Ctrl-C, and SIGTERM as kill, schedulers and containers send it: a checkpoint, 128 + signal."""
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
-           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", "100000", "--batch-size", "12",
+           "--model", "cnn", "--cnn-preset", "cnn_quick", "--epochs", "100000", "--batch-size", "12",
            "--no-progress", "--no-plots"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -541,7 +541,7 @@ BAD_OPTIONS = [
     (["--long-range-train", "0"], "--long-range-train must be > 0"),
     (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
     (["--batch-size", "2.5"], "invalid int value"),
-    (["--vit-preset", "cnn_cifar"], "--vit-preset: cnn_cifar is a cnn preset, expected a vit one"),
+    (["--vit-preset", "cnn_longrange"], "--vit-preset: cnn_longrange is a cnn preset, expected a vit one"),
     (["--cnn-preset", "nope"], "unknown preset 'nope'"),
     (["--resume", "runs/x", "--epochs", "3"], "drop .*--epochs"),
     (["--device", "tpu"], "not a device torch knows"),
@@ -616,7 +616,7 @@ def test_a_truncated_checkpoint_is_named_and_kept(tmp_path, folder, capsys):
 
 def test_images_of_another_size_build_the_vit_for_them_or_are_refused_up_front(tmp_path, capsys):
     small = write_folder(tmp_path / "s16", n_train=4, n_test=2, size=16)
-    s = T.main(tiny(tmp_path / "a", small, model="vit", vit_preset="vit_cifar_small_patch4", epochs=1, batch_size=4))
+    s = T.main(tiny(tmp_path / "a", small, model="vit", vit_preset="vit_quick", epochs=1, batch_size=4))
     assert s["status"] == "ok" and s["modules"]["vit"].config.img_size == (16, 16)  # a 4x4 grid of 4-px patches
     odd = write_folder(tmp_path / "s30", n_train=4, n_test=2, size=30)
     out = tmp_path / "b" / "run"
@@ -646,7 +646,7 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
     ref = T.main(tiny(tmp_path / "ref", folder, epochs=epochs))
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train_cifar.py"), "--data-dir", str(folder), "--out", str(out),
-           "--model", "cnn", "--cnn-preset", "cnn_cifar_small", "--epochs", str(epochs), "--batch-size", "12",
+           "--model", "cnn", "--cnn-preset", "cnn_quick", "--epochs", str(epochs), "--batch-size", "12",
            "--lr", "0.05", "--no-progress", "--no-plots", "--context-images", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
@@ -669,7 +669,7 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
 
 
 def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(tmp_path, folder):
-    s = T.main(tiny(tmp_path, folder, model="vit", vit_preset="vit_cifar_small_patch4", epochs=1, lr=None))
+    s = T.main(tiny(tmp_path, folder, model="vit", vit_preset="vit_quick", epochs=1, lr=None))
     script = [sys.executable, "-m", "benchmarks.run_context"]  # from the repository root, as documented
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     got = subprocess.run([*script, s["out"], "--json"], capture_output=True, text=True, env=env, timeout=300,
@@ -702,5 +702,5 @@ def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         T.parse_args(["--list-models", "cnn_*"])
     listing = capsys.readouterr().out
-    assert e.value.code == 0 and "cnn_cifar_whiten" in listing and "vit_" not in listing
+    assert e.value.code == 0 and "cnn_cifar10" in listing and "vit_" not in listing
     assert "[default for cifar10]" in listing and "1.16M" in listing

@@ -156,7 +156,7 @@ def refused(td, capsys, argv: list[str]) -> str:
     (["--data-dir", "{coco}", "--train-split", "test"], "no annotation file"),
     (["--data-dir", "{bad}"], "is not a COCO instances file"),
     (["--data-dir", "{coco}", "--model", "resnet18", "--strides", "64"], "a ResNet's levels have strides"),
-    (["--data-dir", "{coco}", "--model", "cnn_cifar"], "is a cnn preset"),
+    (["--data-dir", "{coco}", "--model", "cnn_longrange"], "is a cnn preset"),
     (["--data-dir", "{coco}", "--model", "resnet18", "--pretrained"], "--pretrained apply to a ViT backbone"),
     (["--data-dir", "{coco}", "--strides", "16", "8"], "must be distinct and finest first"),
     (["--data-dir", "{coco}", "--strides", "8", "0"], "--strides must be > 0"),

@@ -6,6 +6,7 @@ Each preset is a recipe: the model family, its config, and where the numbers com
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -22,73 +23,73 @@ _AIRBENCH = dict(head_scale=1 / 9, bn_weight=False, dirac_init=True)
 # A mean over patch tokens with no norm after it (timm's '*_gap' ViTs) and fixed 2-D positions.
 _GAP_SINCOS = dict(class_token=False, global_pool="avg", fc_norm=False, pos_embed="sincos2d")
 
-# name: (family, config fields, source)
+# name: (family, config fields, what it is for)
 PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
-    # ImageNet sizes, identical to timm's models of the same name.
+    # ImageNet sizes, identical to timm's models of the same name (and loading timm's weights).
     "vit_tiny_patch16_224": ("vit", dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
-                             "timm / DeiT-Ti (Touvron et al. 2021)"),
+                             "timm's ViT-Ti/16 (DeiT-Ti, Touvron et al. 2021)"),
     "vit_small_patch16_224": ("vit", dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-                              "timm / DeiT-S (Touvron et al. 2021)"),
+                              "timm's ViT-S/16 (DeiT-S, Touvron et al. 2021)"),
     "vit_base_patch16_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-                             "ViT-B/16 (Dosovitskiy et al. 2021)"),
-    # CIFAR sizes (32x32 input), chosen to train well within minutes on a 2-core CPU.
-    "vit_cifar_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
-                                     mlp_ratio=2.0, num_classes=10),
-                         "vitattn: 8x8 tokens, ~1.8M params, sized like cnn_cifar"),
-    "vit_cifar_patch4_maxpool": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
-                                             mlp_ratio=2.0, num_classes=10, class_token=False, global_pool="max"),
-                                 "vitattn: vit_cifar_patch4 read out by a max over patch tokens (as the CNN is), "
-                                 "no class token"),
-    "vit_cifar_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
-                                                mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
-                                    "vitattn: vit_cifar_patch4 read out by a mean over patch tokens (timm's "
-                                    "'gap' models: logits add up over places) with fixed 2-D sin-cos positions"),
-    "vit_cifar_shallow_patch4_gap_sincos": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3,
-                                                        mlp_ratio=2.0, num_classes=10, **_GAP_SINCOS),
-                                            "vitattn: vit_cifar_patch4_gap_sincos with two blocks, ~0.6M params: the "
-                                            "long-range ViT without rotary codes (a comparison row of context.md)"),
-    "vit_cifar_shallow_patch4_rope_gap_sincos": (
-        "vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=10,
-                    use_rot_pos_emb=True, **_GAP_SINCOS),
-        "vitattn: the long-range ViT (train_cifar's long-range default): two blocks, a mean read-out, a 2-D "
-        "sin-cos table and 2-D rotary codes on q and k"),
-    "vit_cifar_small_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
-                                           mlp_ratio=2.0, num_classes=10),
-                               "vitattn: vit_cifar_patch4 at width 128, ~0.8M params: more epochs per CPU minute"),
-    "vit_cifar_small_patch4_mlp4": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
-                                                mlp_ratio=4.0, num_classes=10),
-                                    "vitattn: vit_cifar_small_patch4 with timm's 4x MLP, ~1.2M params"),
-    "vit_cifar_small_patch4_mlp4_depth8": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=8,
-                                                       num_heads=4, mlp_ratio=4.0, num_classes=10),
-                                           "vitattn: the CIFAR-10 ViT (train_cifar's default): eight blocks of "
-                                           "width 128, 4x MLP, ~1.6M params"),
-    "vit_cifar_lee_patch4": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=12,
-                                         mlp_ratio=2.0, num_classes=10),
-                             "Lee et al. 2021, 'ViT for small-size datasets' baseline (2.7M params)"),
-    "vit_cifar_patch2": ("vit", dict(img_size=32, patch_size=2, embed_dim=128, depth=6, num_heads=4,
-                                     mlp_ratio=2.0, num_classes=10),
-                         "vitattn: 16x16 tokens, finer patches at 4x the attention cost"),
-    # The CNN baseline, with airbench's training-friendly details: a 1/9 head scale, BatchNorm
-    # shifts only, identity-started convs, which let it take a high lr in a short run.
-    "cnn_cifar": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, **_AIRBENCH),
-                  "airbench94's network shape (Jordan 2024), ~2M params"),
-    "cnn_cifar_gap": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, global_pool="avg", **_AIRBENCH),
-                      "vitattn: the long-range CNN (train_cifar's long-range default): cnn_cifar read out by a "
-                      "mean over places"),
-    "cnn_cifar_fast": ("cnn", dict(stem_width=32, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                       "vitattn: cnn_cifar with a 128-wide middle stage, ~1.2M params"),
-    "cnn_cifar_whiten": ("cnn", dict(stem="whiten", stem_width=24, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
-                         "vitattn: the CIFAR-10 CNN (train_cifar's default): cnn_cifar_fast's stages after "
-                         "airbench's frozen 2x2 whitening stem, ~1.2M params"),
-    "cnn_cifar_small": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
-                        "vitattn: a quarter-width cnn_cifar for quick runs"),
-    # The control for the long-range task: local features pooled without their positions.
-    "bof_local": ("bof", dict(width=64, hidden=64, num_classes=2),
-                  "vitattn: the long-range control: two 3x3 convs, global mean + max pool, an MLP "
-                  "(BagNet-style local features without their positions)"),
+                             "timm's ViT-B/16 (Dosovitskiy et al. 2021)"),
+    # The CIFAR-10 comparison (train_cifar.py's defaults), sized to train in minutes on a CPU.
+    "vit_cifar10": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=8, num_heads=4, mlp_ratio=4.0,
+                                num_classes=10),
+                    "the CIFAR-10 ViT: 8x8 patches of 4 px, eight blocks of width 128, 4x MLP, ~1.6M params"),
+    "cnn_cifar10": ("cnn", dict(stem="whiten", stem_width=24, widths=(64, 128, 256), num_classes=10, **_AIRBENCH),
+                    "the CIFAR-10 CNN: airbench's frozen 2x2 whitening stem, then three conv stages, ~1.2M params"),
+    # The long-range study (train_cifar.py --dataset long-range): both read out by a mean over places.
+    "vit_longrange": ("vit", dict(img_size=32, patch_size=4, embed_dim=192, depth=2, num_heads=3, mlp_ratio=2.0,
+                                  num_classes=10, use_rot_pos_emb=True, **_GAP_SINCOS),
+                      "the long-range ViT: two blocks, a 2-D sin-cos table and 2-D rotary codes on q and k, ~0.6M "
+                      "params"),
+    "cnn_longrange": ("cnn", dict(stem_width=32, widths=(64, 256, 256), num_classes=10, global_pool="avg",
+                                  **_AIRBENCH),
+                      "the long-range CNN: airbench94's network shape (Jordan 2024), ~2M params"),
+    "bof_longrange": ("bof", dict(width=64, hidden=64, num_classes=2),
+                      "the long-range control: two 3x3 convs, global mean + max pool, an MLP (BagNet-style local "
+                      "features without their positions)"),
+    # Small and fast: smoke tests and first runs.
+    "vit_quick": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=2.0,
+                              num_classes=10), "a small CIFAR ViT for smoke tests and first runs, ~0.8M params"),
+    "cnn_quick": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
+                  "a small CIFAR CNN for smoke tests and first runs, ~0.2M params"),
+}
+
+# Names of earlier releases (old runs' config.json files carry them): each is today's preset plus
+# the fields that differ, so it builds the same model, with a FutureWarning (timm's habit).
+DEPRECATED: dict[str, tuple[str, dict[str, Any]]] = {
+    "vit_cifar_small_patch4_mlp4_depth8": ("vit_cifar10", {}),
+    "vit_cifar_small_patch4_mlp4": ("vit_cifar10", {"depth": 6}),
+    "vit_cifar_shallow_patch4_rope_gap_sincos": ("vit_longrange", {}),
+    "vit_cifar_shallow_patch4_gap_sincos": ("vit_longrange", {"use_rot_pos_emb": False}),
+    "vit_cifar_patch4_gap_sincos": ("vit_longrange", {"depth": 6, "use_rot_pos_emb": False}),
+    "vit_cifar_small_patch4": ("vit_quick", {}),
+    "vit_cifar_patch4": ("vit_quick", {"embed_dim": 192, "num_heads": 3}),
+    "vit_cifar_patch4_maxpool": ("vit_quick", {"embed_dim": 192, "num_heads": 3, "class_token": False,
+                                               "global_pool": "max"}),
+    "vit_cifar_lee_patch4": ("vit_quick", {"embed_dim": 192, "depth": 9, "num_heads": 12}),
+    "vit_cifar_patch2": ("vit_quick", {"patch_size": 2}),
+    "cnn_cifar_whiten": ("cnn_cifar10", {}),
+    "cnn_cifar_fast": ("cnn_cifar10", {"stem": "conv", "stem_width": 32}),
+    "cnn_cifar_gap": ("cnn_longrange", {}),
+    "cnn_cifar": ("cnn_longrange", {"global_pool": "max"}),
+    "cnn_cifar_small": ("cnn_quick", {}),
+    "bof_local": ("bof_longrange", {}),
 }
 
 _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}
+
+
+def resolve(name: str, overrides: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """``(preset, overrides)`` for a name of today or of an earlier release (with a FutureWarning)."""
+    overrides = dict(overrides or {})
+    if name not in DEPRECATED:
+        return name, overrides
+    new, fields_ = DEPRECATED[name]
+    shown = "".join(f", {k}={v!r}" for k, v in fields_.items())
+    warnings.warn(f"preset {name!r} is now create_model({new!r}{shown})", FutureWarning, stacklevel=3)
+    return new, {**fields_, **overrides}
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -113,6 +114,7 @@ def describe_models(pattern: str = "*", defaults: dict[str, dict[str, str]] | No
 
 def check_preset(name: str, families: Sequence[str] = ("vit", "cnn", "bof")) -> None:
     """Raise ``ValueError`` unless ``name`` is a preset of one of ``families``."""
+    name = DEPRECATED.get(name, (name,))[0]
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_models())}")
     if PRESETS[name][0] not in families:
@@ -121,6 +123,7 @@ def check_preset(name: str, families: Sequence[str] = ("vit", "cnn", "bof")) -> 
 
 def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
     """The config of a preset with overrides applied (unknown fields raise a ``TypeError``)."""
+    name, overrides = resolve(name, overrides)
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
     family, base, _ = PRESETS[name]
@@ -147,6 +150,7 @@ def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay:
     checkpoint (``.safetensors``, or a ``.pt`` from ``train_cifar.py``) after building;
     ``features_only=True`` returns a ``FeatureExtractor`` (the maps of ``out_indices``).
     """
+    name, overrides = resolve(name, overrides)
     cfg = get_config(name, **overrides)
     if pretrained:
         model = _timm_pretrained(name, cfg, overrides, pretrained_cfg_overlay)

@@ -154,8 +154,8 @@ DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 # three epochs there, and rotary codes beside its sin-cos table, without which some seeds stay
 # at chance (docs/context.md).
 DEFAULT_PRESETS: dict[str, dict[str, str]] = {
-    "cifar10": {"vit": "vit_cifar_small_patch4_mlp4_depth8", "cnn": "cnn_cifar_whiten"},
-    "long-range": {"vit": "vit_cifar_shallow_patch4_rope_gap_sincos", "cnn": "cnn_cifar_gap"},
+    "cifar10": {"vit": "vit_cifar10", "cnn": "cnn_cifar10"},
+    "long-range": {"vit": "vit_longrange", "cnn": "cnn_longrange"},
 }
 
 
