@@ -26,6 +26,7 @@ import csv
 import dataclasses
 import io
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -42,8 +43,8 @@ RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "bat
                "torch", "git_commit", "command")
 DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_size", "train_min", "ap", "ap50",
                      "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
-SPEED_COLUMNS = ("source", "case", "library", "precision", "batch", "images_per_s", "ratio", "hardware", "torch",
-                 "command")
+SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rate", "unit", "ratio", "peak_mb",
+                 "round_ratios_vs_timm", "newton_schulz_ms", "hardware", "torch", "command")
 # The tables of README.md and docs/*.md, between <!-- results:NAME:begin --> and <!-- results:NAME:end -->.
 # A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
 SEEDS = tuple(range(10))
@@ -192,26 +193,113 @@ def runs() -> dict[str, list[dict]]:
     return studies
 
 
+def runnable(cmd: str) -> str:
+    """A benchmark's recorded command as it runs today: ``python -m benchmarks.NAME ARGS``."""
+    cmd = re.sub(r"^(python )?benchmarks/(\w+)\.py", r"python -m benchmarks.\2", cmd)
+    cmd = re.sub(r" --(out|json) \S+", "", cmd)  # where its author kept the files
+    return re.sub(r"(\w+\[[^\]]*\])", r"'\1'", cmd)  # a bracketed name with spaces, as the shell needs it
+
+
+def today(preset: str) -> str:
+    """An earlier release's preset name as today's (a preset with no fields changed)."""
+    name, kwargs = canonical(preset, "{}")
+    return preset if kwargs else name
+
+
+def significant(x: float) -> float:
+    return round(x, 1 if x >= 10 else 3)
+
+
+def rate(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
 def speed_rows() -> list[dict]:
     rows = []
     for path in sorted(BENCH.glob("*.json")):
         d = json.loads(path.read_text())
+        hw = machine(path.stem)
         if "rows" in d:  # bench_vit.py: each library per case, interleaved rounds
             env = d["env"]
+            timm = {(r["case"], r.get("compiled")): r["times"] for r in d["rows"] if r["lib"] == "timm"}
             for r in d["rows"]:
+                ref = timm.get((r["case"], r.get("compiled")))
                 rows.append({"source": path.name, "case": r["case"] + (" compiled" if r.get("compiled") else ""),
-                             "library": r["lib"], "precision": "fp32", "batch": r["batch"],
-                             "images_per_s": round(r["img_per_s"], 1), "ratio": round(r.get("ratio_best_peer") or 1, 3),
-                             "hardware": machine(path.stem), "torch": env["versions"]["torch"],
-                             "command": "python " + d["command"]})
-        elif "models" in d and "gemm_gflops" in d:  # precision_step.py: fp32 against bf16 / fp16
+                             "note": d["cases"][r["case"]]["note"], "library": r["lib"], "precision": "fp32",
+                             "batch": r["batch"], "rate": significant(r["img_per_s"]), "unit": "img/s",
+                             "ratio": round(r["ratio_best_peer"], 3) if r.get("ratio_best_peer") else None,
+                             "peak_mb": round(r["peak_mem_bytes"] / 2**20) if r.get("peak_mem_bytes") else None,
+                             "round_ratios_vs_timm": " ".join(f"{t / s_:.2f}" for t, s_ in zip(ref, r["times"]))
+                             if ref and r["lib"] != "timm" else None,
+                             "hardware": hw, "torch": env["versions"]["torch"], "command": runnable(d["command"])})
+        elif "gemm_gflops" in d:  # precision_step.py: fp32 against bf16 / fp16
+            env, fp32 = d["environment"], d["gemm_gflops"]["float32"]
+            for precision, g in d["gemm_gflops"].items():
+                rows.append({"source": path.name, "case": "8192x512 @ 512x512 product", "library": "torch",
+                             "precision": precision, "rate": significant(g), "unit": "GFLOP/s",
+                             "ratio": round(g / fp32, 3),
+                             "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
             for family, m in d["models"].items():
-                for precision, p in m["precisions"].items():
-                    rows.append({"source": path.name, "case": f"{family} step ({m['preset']})", "library": "vitattn",
-                                 "precision": precision, "batch": m["batch"], "images_per_s": round(p["img_per_s"], 1),
-                                 "ratio": round(p["vs_fp32"], 3), "hardware": machine(path.stem),
-                                 "torch": d["environment"]["torch"], "command": d["command"]})
+                for precision, q in m["precisions"].items():
+                    rows.append({"source": path.name, "case": f"{family} training step", "note": today(m["preset"]),
+                                 "library": "vitattn", "precision": precision, "batch": m["batch"],
+                                 "rate": significant(q["img_per_s"]), "unit": "img/s", "ratio": round(q["vs_fp32"], 3),
+                                 "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
+        elif "newton_schulz_ms_per_step" in d:  # optimizer_step.py: the ViT's step per optimiser
+            ns = d["newton_schulz_ms_per_step"]
+            for name, rate in d["images_per_s"].items():
+                dtype = {"muon_torch": "bfloat16", "muon_vitattn": "float32"}.get(name)
+                rows.append({"source": path.name, "case": f"training step, {name}", "note": today(d["model"]),
+                             "library": "vitattn", "precision": "fp32", "batch": d["batch"], "rate": significant(rate),
+                             "unit": "img/s", "ratio": round(rate / d["images_per_s"]["adamw"], 3),
+                             "newton_schulz_ms": round(ns[dtype], 1) if dtype else None, "hardware": hw,
+                             "torch": d["torch"],
+                             "command": f"python -m benchmarks.optimizer_step --model {today(d['model'])} "
+                             f"--batch {d['batch']} --rounds {d['rounds']} --iters {d['iters']}"})
     return rows
+
+
+def speed_table(source: str, rows: list[dict]) -> str:
+    """A results table of one benchmark file (``<!-- results:speed/FILE:begin -->``)."""
+    rows = [r for r in rows if r["source"] == source]
+    if not rows:
+        raise SystemExit(f"no step-speed rows from benchmarks/results/{source}")
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    if "newton_schulz_ms" in rows[-1]:  # optimiser step
+        lines = ["| optimiser | img/s | vs AdamW | Newton-Schulz on the block matrices, per step |",
+                 "|---|---:|---:|---:|"]
+        for r in rows:
+            ns = f"{r['newton_schulz_ms']:.0f} ms" if r.get("newton_schulz_ms") else ""
+            name = r["case"].removeprefix("training step, ")
+            lines.append(f"| {name} | {r['rate']:.0f} | {r['ratio']:.2f}x | {ns} |")
+    elif any(r["unit"] == "GFLOP/s" for r in rows):  # precision
+        precisions = list(dict.fromkeys(r["precision"] for r in rows))
+        lines = ["| what | " + " | ".join(precisions) + f" | {precisions[-1]} / {precisions[0]} |",
+                 "|---|" + "---:|" * (len(precisions) + 1)]
+        for case in cases:
+            by = {r["precision"]: r for r in rows if r["case"] == case}
+            what = case + (f" (`{by[precisions[0]]['note']}`, batch {by[precisions[0]]['batch']})"
+                           if by[precisions[0]].get("note") else "")
+            lines.append(f"| {what} | " + " | ".join(f"{rate(by[p]['rate'])} {by[p]['unit']}" for p in precisions)
+                         + f" | **{by[precisions[-1]]['ratio']:.3f}x** |")
+    else:  # libraries side by side
+        libs = list(dict.fromkeys(r["library"] for r in rows))
+        peers, peak = "timm" in libs, any(r.get("peak_mb") for r in rows)
+        head = " | ".join(libs) + " |" + (" vitattn vs best peer | per-round ratio to timm |" if peers else "")
+        lines = ["| case | " + head + (f" peak MB ({' / '.join(libs)}) |" if peak else ""),
+                 "|---|" + "---:|" * len(libs) + ("---:|---|" if peers else "") + ("---|" if peak else "")]
+        for case in cases:
+            by = {r["library"]: r for r in rows if r["case"] == case}
+            v = by["vitattn"]
+            lines.append(f"| {case} ({v['note']}, batch {v['batch']}) | "
+                         + " | ".join(rate(by[lib]["rate"]) if lib in by else "" for lib in libs) + " |"
+                         + (f" **{v['ratio']:.2f}x** | {v['round_ratios_vs_timm']} |" if peers else "")
+                         + (" " + " / ".join(str(by[lib].get("peak_mb") or "") for lib in libs) + " |" if peak else ""))
+    r0 = rows[0]
+    lines.append("")
+    lines.append(f"*{r0['unit'] if len({r['unit'] for r in rows}) == 1 else 'rates'}, {r0['hardware']}, torch "
+                 f"{r0['torch']}: `{r0['command']}`*")
+    return "\n".join(lines) + "\n"
 
 
 def detection_rows() -> list[dict]:
@@ -275,16 +363,20 @@ def table(name: str, studies: dict[str, list[dict]]) -> str:
 def outputs() -> dict[Path, str]:
     studies = runs()
     files = {OUT / f"{study}.csv": to_csv(rows, RUN_COLUMNS) for study, rows in studies.items()}
-    files[OUT / "step_speed.csv"] = to_csv(speed_rows(), SPEED_COLUMNS)
+    speed = speed_rows()
+    files[OUT / "step_speed.csv"] = to_csv(speed, SPEED_COLUMNS)
     detection = detection_rows()
     files[OUT / "detection.csv"] = to_csv(detection, DETECTION_COLUMNS)
     for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         text = page.read_text()
-        for name in (*TABLES, "detection"):
+        names = [*TABLES, "detection", *(f"speed/{p.name}" for p in sorted(BENCH.glob("*.json")))]
+        for name in names:
             begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
             if begin in text and end in text:
                 head, rest = text.split(begin, 1)
-                body = detection_table(detection) if name == "detection" else table(name, studies)
+                body = (detection_table(detection) if name == "detection" else
+                        speed_table(name.removeprefix("speed/"), speed) if name.startswith("speed/") else
+                        table(name, studies))
                 text = head + begin + body + end + rest.split(end, 1)[1]
         files[page] = text
     return files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,32 @@ def test_every_row_has_its_hardware_and_a_command_that_names_the_model():
             assert row["hardware"] != "unknown", row["run"]
             assert row["command"].startswith(f"python train_cifar.py --model {row['model']}")
             assert 0 <= float(row["accuracy"]) <= 1 and float(row["images_per_s"]) > 0
+
+
+def test_every_command_runs_today_with_todays_presets():
+    """Each row's command parses with today's train_cifar.py and names a current preset, so a
+    reader can paste it (options are checked, the model's fields too; no data is read)."""
+    import shlex
+    import warnings
+
+    import train_cifar
+    import vitattn
+
+    for name in ("cifar10", "long_range"):
+        for row in csv.DictReader(open(ROOT / "results" / f"{name}.csv")):
+            argv = shlex.split(row["command"])
+            assert argv[:2] == ["python", "train_cifar.py"], row["run"]
+            assert row["preset"] in vitattn.list_models(), row["run"]  # not an earlier release's name
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+                cfg = train_cifar.parse_args(argv[2:])
+            assert cfg.preset(row["model"]) == row["preset"], row["run"]
+            assert cfg.model_kwargs(row["model"]) == json.loads(row["model_kwargs"]), row["run"]
+
+
+def test_step_speed_rows_name_their_hardware_and_a_benchmark_command():
+    rows = list(csv.DictReader(open(ROOT / "results" / "step_speed.csv")))
+    assert rows
+    for row in rows:
+        assert row["hardware"] != "unknown" and float(row["rate"]) > 0, row
+        assert row["command"].startswith("python -m benchmarks."), row["command"]
