@@ -31,9 +31,9 @@ def per_pair_reference(attn: MultiHeadAttention, x, context=None, mask=None):
                     elif attn.score == "scaled_dot":
                         s[j] = qi @ kj / math.sqrt(d)
                     elif attn.score == "general":
-                        s[j] = qi @ attn.score_weight[hi] @ kj
+                        s[j] = qi @ attn.score_fn.weight[hi] @ kj
                     else:  # additive
-                        s[j] = attn.score_v[hi] @ torch.tanh(qi @ attn.score_q[hi] + kj @ attn.score_k[hi])
+                        s[j] = attn.score_fn.v[hi] @ torch.tanh(qi @ attn.score_fn.q[hi] + kj @ attn.score_fn.k[hi])
                     if mask is not None and not mask[bi, hi, i, j]:
                         s[j] = float("-inf")
                 w = torch.softmax(s, 0)
@@ -278,3 +278,42 @@ def test_the_readable_attention_class_equals_its_fused_path_timms_attention_and_
     theirs = timm_vit.Attention(32, num_heads=4, qkv_bias=True).eval()
     theirs.load_state_dict(plain.state_dict())
     torch.testing.assert_close(theirs(x), out_fused, atol=1e-5, rtol=1e-5)
+
+
+def test_a_score_module_is_a_piece_of_its_own():
+    """Scores are modules: a score built by the caller (here an additive one of width 3) works
+    in the layer as the named one does, on the explicit path (it has no fused form); the fused
+    form of each other score computes that score."""
+    from vitattn import scores
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    score = scores.Additive(2, 4, additive_dim=3)
+    attn = MultiHeadAttention(8, num_heads=2, score=score).eval()
+    assert attn.score_fn is score and score.q.shape == (2, 4, 3) and score.fused(x) is None
+    out, w = attn(x, return_attention=True)
+    q, k, _ = attn.project_qkv(x, None)
+    torch.testing.assert_close(w, score(q, k).softmax(-1))
+    torch.testing.assert_close(out, attn(x))
+    qq, kk = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4)
+    for name in ("scaled_dot", "dot", "general"):
+        s = SCORES[name](2, 4)
+        fq, scale = s.fused(qq)
+        torch.testing.assert_close(fq @ kk.transpose(-2, -1) * scale, s(qq, kk))
+
+
+EARLIER_NAMES = {"general": {"score_fn.weight": "score_weight"},
+                 "additive": {"score_fn.q": "score_q", "score_fn.k": "score_k", "score_fn.v": "score_v"}}
+
+
+@pytest.mark.parametrize("score", sorted(EARLIER_NAMES))
+def test_checkpoints_with_the_earlier_score_parameter_names_still_load(score):
+    torch.manual_seed(0)
+    a = MultiHeadAttention(8, num_heads=2, score=score).eval()
+    old = {EARLIER_NAMES[score].get(k, k): v for k, v in a.state_dict().items()}
+    assert set(EARLIER_NAMES[score].values()) <= set(old)
+    torch.manual_seed(1)
+    b = MultiHeadAttention(8, num_heads=2, score=score).eval()
+    b.load_state_dict(old)  # strict: every name found
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(a(x), b(x))

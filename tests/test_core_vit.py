@@ -153,7 +153,7 @@ def test_rotary_codes_see_relative_places_only():
 
     def scores(t):
         q, k, _ = attn.project_qkv(t, None)
-        return attn.scores(*attn.rotate(q, k, rope))
+        return attn.scores(*vitattn.rotate_qk(q, k, rope))
 
     s, s_moved = scores(tokens), scores(moved)
     torch.testing.assert_close(s_moved[..., 8:, 8:], s[..., :8, :8], atol=1e-5, rtol=1e-5)

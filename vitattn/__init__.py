@@ -13,12 +13,12 @@ and report), ``vitattn.longrange`` (the long-range task), ``vitattn.detection`` 
 backbones for torchvision's detectors), ``vitattn.init`` (mimetic and whitening inits).
 """
 
-from . import context, data, detection, init, longrange, report, train
+from . import context, data, detection, init, longrange, report, scores, train, window
 from .attention import SCORES, Attention, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN, whitening_filters
 from .patch_embed import PatchEmbed, patchify, unpatchify
-from .pos_embed import apply_rope, resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
+from .pos_embed import apply_rope, resample_abs_pos_embed, rope_2d, rotate_qk, sincos_1d, sincos_2d
 from .registry import PRESETS, create_model, get_config, list_models
 from .timm_compat import from_timm, to_timm, to_timm_state_dict
 from .vit import ViT, ViTConfig
@@ -28,8 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "SCORES", "Attention", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
-    "apply_rope", "patchify", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
+    "apply_rope", "patchify", "rotate_qk", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
     "to_timm_state_dict",
     "unpatchify", "whitening_filters", "window_mask",
-    "context", "data", "detection", "init", "longrange", "report", "train",
+    "context", "data", "detection", "init", "longrange", "report", "scores", "train", "window",
 ]

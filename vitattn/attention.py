@@ -10,21 +10,13 @@ queries come from one sequence (the target) and keys/values from another (the so
 attention splits the width into ``heads`` independent attentions of width ``d`` that run in
 parallel (one batched matrix product) and joins them with the output projection ``proj``.
 
-The *score function* is what tells attention mechanisms apart (``score=``):
-
-============  ===========================  ==========================================
-name          score(q, k)                  notes
-============  ===========================  ==========================================
-dot           q . k                        Luong et al. 2015
-scaled_dot    q . k / sqrt(d)              Vaswani et al. 2017; the default
-general       q^T W k                      Luong et al. 2015; W per head, starts at I/sqrt(d)
-additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attention)
-============  ===========================  ==========================================
-
 :class:`Attention` is that computation and nothing else, in one screen: the ``qkv`` projection,
-the heads, the score, the softmax, the weighted sum, the join. :class:`MultiHeadAttention` adds
-around it what the ViT, the study and detection use: the other score functions,
-cross-attention, masks, rotary position codes and window attention.
+the heads, the score ``q . k / sqrt(d)``, the softmax, the weighted sum, the join.
+:class:`MultiHeadAttention` composes the variants the ViT, the study and detection use around it,
+each a piece of its own: a score function (:mod:`vitattn.scores`: ``dot``, ``scaled_dot``,
+``general``, ``additive``, *different Q-K scores give different attention mechanisms*),
+cross-attention (keys and values from other tokens), masks, rotary position codes
+(:func:`vitattn.pos_embed.rotate_qk`) and window attention (:mod:`vitattn.window`).
 
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
@@ -35,36 +27,22 @@ matrix (docs/performance.md).
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
-References: Vaswani et al. 2017; timm ``vision_transformer.Attention``; ViTDet (Li et al. 2022)
-for window attention.
+References: Vaswani et al. 2017; timm ``vision_transformer.Attention``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import nn
 
 from .helpers import Size2, to_2tuple
-from .pos_embed import apply_rope
+from .pos_embed import rotate_qk
+from .scores import SCORES
+from .window import window_attend, window_mask
 
-SCORES = ("scaled_dot", "dot", "general", "additive")
-
-
-def window_mask(grid: Size2, window: Size2, num_prefix_tokens: int = 0) -> torch.Tensor:
-    """``(P + N, P + N)`` boolean mask, True where query i may attend to key j under window
-    attention: patch tokens see the patches of their own window (windows tile the grid from the
-    top left) and every prefix token; prefix tokens see everything."""
-    gh, gw = grid
-    rows = torch.arange(gh).repeat_interleave(gw) // window[0]
-    cols = torch.arange(gw).repeat(gh) // window[1]
-    win = rows * (gw + window[1]) + cols  # window id of each patch token
-    same = win[:, None] == win[None, :]
-    p = num_prefix_tokens
-    mask = torch.ones(p + gh * gw, p + gh * gw, dtype=torch.bool)
-    mask[p:, p:] = same
-    return mask
+__all__ = ["SCORES", "Attention", "MultiHeadAttention", "merge_masks", "window_mask"]
 
 
 class Attention(nn.Module):
@@ -143,76 +121,47 @@ class Attention(nn.Module):
 
 
 class MultiHeadAttention(Attention):
-    """:class:`Attention` with the variants the ViT, the study and detection use:
+    """:class:`Attention` with the variants composed around it:
     ``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
 
     Args (besides :class:`Attention`'s):
         context_dim: width of the tokens keys/values come from in cross-attention, when it
             differs from ``dim``; then ``q`` and ``kv`` are separate projections, else one ``qkv``.
-        score: one of ``SCORES`` (the score function: what tells attention mechanisms apart).
+        score: a name in :data:`vitattn.scores.SCORES`, or a score module built for these heads
+            (e.g. ``scores.Additive(heads, d, additive_dim=64)``).
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
             ``grid`` in ``forward``. ``None`` is global attention.
-        additive_dim: width of the tanh layer for ``score='additive'``; defaults to ``d``.
     Masks, rotary codes and the prefix tokens are arguments of :meth:`forward`.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        *,
-        hidden_dim: int | None = None,
-        context_dim: int | None = None,
-        out_dim: int | None = None,
-        score: str = "scaled_dot",
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        window_size: int | Size2 | None = None,
-        additive_dim: int | None = None,
-        fused: bool = True,
-        norm_eps: float = 1e-6,
-    ) -> None:
-        if score not in SCORES:
-            raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
+    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, context_dim: int | None = None,
+                 out_dim: int | None = None, score: str | nn.Module = "scaled_dot", qkv_bias: bool = False,
+                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 window_size: int | Size2 | None = None, fused: bool = True, norm_eps: float = 1e-6) -> None:
+        if isinstance(score, str) and score not in SCORES:
+            raise ValueError(f"unknown score {score!r}; expected one of {tuple(SCORES)}")
         super().__init__(dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
                          attn_drop=attn_drop, proj_drop=proj_drop, fused=fused, norm_eps=norm_eps)
-        d, hidden_dim = self.head_dim, self.hidden_dim
-        self.score = score
         self.window_size = to_2tuple(window_size) if window_size is not None else None
         if context_dim is not None and context_dim != dim:  # keys and values from other tokens
             del self.qkv
-            self.q = nn.Linear(dim, hidden_dim, bias=qkv_bias)
-            self.kv = nn.Linear(context_dim, 2 * hidden_dim, bias=qkv_bias)
-        if score == "general":
-            # W = I / sqrt(d) at start, so 'general' begins as 'scaled_dot' and learns from there.
-            self.score_weight = nn.Parameter(torch.eye(d).repeat(num_heads, 1, 1) * self.scale)
-        elif score == "additive":
-            a = additive_dim or d
-            self.score_q = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
-            self.score_k = nn.Parameter(torch.randn(num_heads, d, a) * d**-0.5)
-            self.score_v = nn.Parameter(torch.randn(num_heads, a) * a**-0.5)
+            self.q = nn.Linear(dim, self.hidden_dim, bias=qkv_bias)
+            self.kv = nn.Linear(context_dim, 2 * self.hidden_dim, bias=qkv_bias)
+        self.score = score if isinstance(score, str) else type(score).__name__
+        self.score_fn = SCORES[score](num_heads, self.head_dim) if isinstance(score, str) else score
 
-    # -- score functions --------------------------------------------------------------------
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        if self.score == "scaled_dot":
-            return super().scores(q, k)
-        if self.score == "dot":
-            return q @ k.transpose(-2, -1)
-        if self.score == "general":
-            return torch.einsum("bhnd,hde->bhne", q, self.score_weight) @ k.transpose(-2, -1)
-        # additive: every (query, key) pair goes through a small tanh layer.
-        qa = torch.einsum("bhnd,hda->bhna", q, self.score_q)
-        ka = torch.einsum("bhmd,hda->bhma", k, self.score_k)
-        return torch.einsum("bhnma,ha->bhnm", torch.tanh(qa[:, :, :, None] + ka[:, :, None]), self.score_v)
+        return self.score_fn(q, k)
 
     def fused_query(self, q: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        if self.score == "additive":  # not a product of q and k: the explicit path only
-            return None
-        if self.score == "general":  # q^T W k = (W^T q) . k: fold W into the query
-            return torch.einsum("bhnd,hde->bhne", q, self.score_weight), 1.0
-        return q, {"scaled_dot": self.scale, "dot": 1.0}[self.score]
+        return self.score_fn.fused(q)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for old, new in (("score_weight", "score_fn.weight"), ("score_q", "score_fn.q"), ("score_k", "score_fn.k"),
+                         ("score_v", "score_fn.v")):  # checkpoints from before the scores were modules
+            if prefix + old in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # -- forward ----------------------------------------------------------------------------
     def project_qkv(self, x: torch.Tensor, context: torch.Tensor | None = None
@@ -257,14 +206,14 @@ class MultiHeadAttention(Attention):
             grid: the patch grid ``(gh, gw)``; needed for window attention.
             num_prefix_tokens: tokens before the grid (class token) under window attention.
             rope: rotary angles ``(sin, cos)``, each ``(G, head_dim)``, for the last ``G`` keys
-                (the patch tokens; :func:`vitattn.pos_embed.rope_2d`): see :meth:`rotate`.
+                (the patch tokens; :func:`vitattn.pos_embed.rope_2d`): see :func:`rotate_qk`.
         """
         if x.ndim != 3:
             raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
         q, k, v = self.project_qkv(x, context)
         if rope is not None:
-            q, k = self.rotate(q, k, rope)
-        mask = self._merge_masks(attn_mask, key_padding_mask, q.shape, k.shape)
+            q, k = rotate_qk(q, k, rope)
+        mask = merge_masks(attn_mask, key_padding_mask, q.shape, k.shape)
         if self.window_size is not None:
             if grid is None:
                 raise ValueError("window attention needs the patch grid: pass grid=(gh, gw)")
@@ -279,92 +228,37 @@ class MultiHeadAttention(Attention):
                 mask = window_mask(grid, self.window_size, num_prefix_tokens).to(x.device)
                 out, weights = self.attend(q, k, v, mask, need_weights=True)
             else:
-                out, weights = self._window_attend(q, k, v, grid, num_prefix_tokens), None
+                out, weights = window_attend(self.attend, q, k, v, grid, self.window_size, num_prefix_tokens), None
         else:
             out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
         out = self.join_heads(out)
         return (out, weights) if return_attention else out
 
-    @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary position codes on ``q`` and ``k`` ``(B, heads, N, d)``: the last ``G`` keys are
-        the grid's tokens, those before them (class token) keep no position. Queries are the
-        first ``Nq`` tokens of the same sequence (all of them in self-attention, the prefix alone
-        in ``Block.forward_first``)."""
-        sin, cos = rope
-        p = k.shape[2] - sin.shape[0]
-        if p < 0:
-            raise ValueError(f"rope has angles for {sin.shape[0]} tokens, the keys are {k.shape[2]}")
 
-        def turn(t: torch.Tensor) -> torch.Tensor:
-            n = t.shape[2] - p  # grid tokens among these
-            if n <= 0:
-                return t
-            grid = apply_rope(t[:, :, p:], sin[:n], cos[:n])
-            return torch.cat([t[:, :, :p], grid], dim=2) if p else grid
-
-        return turn(q), turn(k)
-
-    @staticmethod
-    def _merge_masks(attn_mask, key_padding_mask, q_shape, k_shape) -> torch.Tensor | None:
-        b, h, nq, _ = q_shape
-        nk = k_shape[2]
-        mask = None
-        if attn_mask is not None:
-            if attn_mask.dtype != torch.bool:
-                raise ValueError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}")
-            try:
-                torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
-            except RuntimeError:
-                raise ValueError(
-                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, heads, Nq, Nk) = "
-                    f"{(b, h, nq, nk)}"
-                ) from None
-            mask = attn_mask
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (b, nk):
-                raise ValueError(
-                    f"key_padding_mask must be boolean of shape (B, Nk) = {(b, nk)}, got "
-                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-                )
-            keep = ~key_padding_mask[:, None, None, :]
-            mask = keep if mask is None else mask & keep
-        return mask
-
-    def _window_attend(self, q, k, v, grid: Size2, p: int) -> torch.Tensor:
-        """The fast window path: partition the grid into windows and batch them.
-
-        Windows that overhang the grid are padded and the padded keys masked, so the result
-        equals global attention under :func:`window_mask`. Prefix tokens are keys of every
-        window and attend globally themselves.
-        """
-        (gh, gw), (wh, ww) = grid, self.window_size
-        b = q.shape[0]
-        ph, pw = (-gh) % wh, (-gw) % ww
-
-        def to_windows(t: torch.Tensor) -> torch.Tensor:
-            t = rearrange(t, "b h (gh gw) d -> b h gh gw d", gh=gh)
-            if ph or pw:
-                t = F.pad(t, (0, 0, 0, pw, 0, ph))
-            return rearrange(t, "b h (nh wh) (nw ww) d -> (b nh nw) h (wh ww) d", wh=wh, ww=ww)
-
-        qw, kw, vw = (to_windows(t[:, :, p:]) for t in (q, k, v))
-        n_win = qw.shape[0] // b
-        mask = None
-        if ph or pw:
-            valid = F.pad(torch.ones(gh, gw, dtype=torch.bool, device=q.device), (0, pw, 0, ph))
-            valid = rearrange(valid, "(nh wh) (nw ww) -> (nh nw) (wh ww)", wh=wh, ww=ww)
-            mask = repeat(valid, "n k -> (b n) 1 1 k", b=b)
-        if p:
-            kw = torch.cat([repeat(k[:, :, :p], "b h p d -> (b n) h p d", n=n_win), kw], dim=2)
-            vw = torch.cat([repeat(v[:, :, :p], "b h p d -> (b n) h p d", n=n_win), vw], dim=2)
-            if mask is not None:
-                mask = F.pad(mask, (p, 0), value=True)
-        out, _ = self.attend(qw, kw, vw, mask)
-        out = rearrange(out, "(b nh nw) h (wh ww) d -> b h (nh wh) (nw ww) d", b=b, nh=(gh + ph) // wh, wh=wh, ww=ww)
-        out = rearrange(out[:, :, :gh, :gw], "b h gh gw d -> b h (gh gw) d")
-        if p:
-            out_prefix, _ = self.attend(q[:, :, :p], k, v)
-            out = torch.cat([out_prefix, out], dim=2)
-        return out
+def merge_masks(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, q_shape: torch.Size,
+                k_shape: torch.Size) -> torch.Tensor | None:
+    """One boolean mask (True = may attend) from an ``attn_mask`` and a ``key_padding_mask``
+    (True = padding), both checked; ``None`` when neither is given."""
+    b, h, nq, _ = q_shape
+    nk = k_shape[2]
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise ValueError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, heads, Nq, Nk) = "
+                f"{(b, h, nq, nk)}"
+            ) from None
+        mask = attn_mask
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (b, nk):
+            raise ValueError(
+                f"key_padding_mask must be boolean of shape (B, Nk) = {(b, nk)}, got "
+                f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            )
+        keep = ~key_padding_mask[:, None, None, :]
+        mask = keep if mask is None else mask & keep
+    return mask

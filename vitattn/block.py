@@ -76,7 +76,7 @@ class Block(nn.Module):
         window_size: window attention (ViTDet) instead of global; ``None`` for global.
 
     ``forward`` / ``forward_first`` take ``rope``, rotary angles for the patch tokens
-    (:meth:`vitattn.attention.MultiHeadAttention.rotate`), or ``None``.
+    (:func:`vitattn.pos_embed.rotate_qk`), or ``None``.
     """
 
     def __init__(

@@ -112,3 +112,24 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
     pairs = rearrange(x, "... (d two) -> ... d two", two=2)
     turned = rearrange(torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1), "... d two -> ... (d two)")
     return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor,
+              rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary codes on per-head ``q`` and ``k`` ``(B, heads, N, d)``: the last ``G`` keys are the
+    grid's tokens (``rope`` holds their angles, each ``(G, d)``), those before them (a class
+    token) keep no position. Queries are the first ``Nq`` tokens of the same sequence (all of
+    them in self-attention, the prefix alone in ``Block.forward_first``)."""
+    sin, cos = rope
+    p = k.shape[2] - sin.shape[0]
+    if p < 0:
+        raise ValueError(f"rope has angles for {sin.shape[0]} tokens, the keys are {k.shape[2]}")
+
+    def turn(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[2] - p  # grid tokens among these
+        if n <= 0:
+            return t
+        grid = apply_rope(t[:, :, p:], sin[:n], cos[:n])
+        return torch.cat([t[:, :, :p], grid], dim=2) if p else grid
+
+    return turn(q), turn(k)

@@ -92,7 +92,7 @@ class ViTConfig:
         if self.fc_norm is not None:
             check_bool("fc_norm", self.fc_norm)
         if self.score not in SCORES:
-            raise ValueError(f"unknown score {self.score!r}; expected one of {SCORES}")
+            raise ValueError(f"unknown score {self.score!r}; expected one of {tuple(SCORES)}")
         bad = [i for i in self.window_block_indexes if not (isinstance(i, int) and 0 <= i < self.depth)]
         if bad:
             raise ValueError(f"window_block_indexes must be block indices in 0..{self.depth - 1}, got {bad}")
