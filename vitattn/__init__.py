@@ -10,7 +10,7 @@ needing only torch (torchvision, pycocotools and matplotlib load when a function
 ``vitattn.data`` (CIFAR sources, batches, augmentation), ``vitattn.train`` (recipes, schedule,
 evaluation, checkpoints), ``vitattn.context`` (how far layers look), ``vitattn.report`` (figures
 and report), ``vitattn.longrange`` (the long-range task), ``vitattn.detection`` (ViTDet
-backbones for torchvision's detectors), ``vitattn.init`` (mimetic and whitening inits).
+backbones for torchvision's detectors), ``vitattn.init`` (JAX's init, the whitening basis).
 """
 
 from . import context, data, detection, init, longrange, report, scores, train, window

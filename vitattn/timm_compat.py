@@ -118,7 +118,7 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
     if (c.score != "scaled_dot" or c.window_block_indexes
             or c.pos_embed in ("sincos1d", "sincos2d") or c.use_rot_pos_emb):
         raise ValueError("timm has no twin for score / window / sincos / rotary options")
-    # weight_init and patch_init only choose starting weights, which to_timm copies anyway
+    # weight_init only chooses starting weights, which to_timm copies anyway
     return dict(
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,
         global_pool=c.global_pool, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,

@@ -29,14 +29,13 @@ from torch.utils.checkpoint import checkpoint
 from .attention import SCORES
 from .block import Block
 from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
-from .init import lecun_normal_, mimetic_attention_weights, patch_whitening_weights
+from .init import lecun_normal_
 from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
-WEIGHT_INITS = ("", "jax", "mimetic")
-PATCH_INITS = ("", "whiten")
+WEIGHT_INITS = ("", "jax")
 
 
 @dataclass
@@ -70,8 +69,7 @@ class ViTConfig:
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
-    weight_init: str = ""  # '' (timm's default), 'jax' (timm's, as the JAX ViT) or 'mimetic' (attention as if trained)
-    patch_init: str = ""  # '' (PyTorch's conv init) or 'whiten' (set from data by ViT.init_stem)
+    weight_init: str = ""  # '' (timm's default) or 'jax' (timm's, as the JAX ViT)
 
     def __post_init__(self) -> None:
         check_size("img_size", self.img_size)
@@ -107,8 +105,6 @@ class ViTConfig:
         self.window_block_indexes = tuple(self.window_block_indexes)
         if self.weight_init not in WEIGHT_INITS:
             raise ValueError(f"unknown weight_init {self.weight_init!r}; expected one of {WEIGHT_INITS}")
-        if self.patch_init not in PATCH_INITS:
-            raise ValueError(f"unknown patch_init {self.patch_init!r}; expected one of {PATCH_INITS}")
         if self.use_rot_pos_emb and (self.embed_dim // self.num_heads) % 4:
             raise ValueError(f"rotary codes turn channel pairs by row and by column: the head width "
                              f"{self.embed_dim // self.num_heads} must be divisible by 4")
@@ -171,9 +167,7 @@ class ViT(nn.Module):
         patch projection keeps PyTorch's init. ``'jax'`` (timm's ``init_weights_vit_jax``):
         Xavier-uniform linear layers (MLP biases ~N(0, 1e-6), others 0), a zero head, a
         LeCun-normal patch projection (:func:`vitattn.init.lecun_normal_`); its block weights
-        start about 3x larger than the default's. ``'mimetic'``: the default,
-        then every attention layer's q, k, v and proj weights by
-        :func:`vitattn.init.mimetic_attention_weights`."""
+        start about 3x larger than the default's."""
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
@@ -195,27 +189,6 @@ class ViT(nn.Module):
             lecun_normal_(self.patch_embed.proj.weight)
             if self.patch_embed.proj.bias is not None:
                 nn.init.zeros_(self.patch_embed.proj.bias)
-        if self.config.weight_init == "mimetic":
-            with torch.no_grad():
-                for blk in self.blocks:
-                    w = mimetic_attention_weights(self.embed_dim, blk.attn.num_heads)
-                    blk.attn.qkv.weight.copy_(torch.cat([w["q"], w["k"], w["v"]]))
-                    blk.attn.proj.weight.copy_(w["proj"])
-
-    @torch.no_grad()
-    def init_stem(self, images: torch.Tensor) -> None:
-        """With ``patch_init='whiten'``, set the patch projection from normalised training
-        ``images`` ``(B, C, H, W)``: its first ``min(D, C*p*p)`` filters whiten the patches
-        (:func:`vitattn.init.patch_whitening_weights`), the rest keep their init, the bias is 0.
-        The projection stays trainable. Otherwise does nothing."""
-        if self.config.patch_init != "whiten":
-            return
-        proj = self.patch_embed.proj
-        w = patch_whitening_weights(images.to(proj.weight.device), self.patch_embed.patch_size, self.embed_dim)
-        flat = proj.weight.view(proj.out_channels, -1)
-        flat[: len(w)] = w.to(flat.dtype)
-        if proj.bias is not None:
-            proj.bias.zero_()
 
     # -- tokens -----------------------------------------------------------------------------
     def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
