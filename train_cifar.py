@@ -505,6 +505,7 @@ def context_sample(cfg: Config, ds: Dataset) -> torch.Tensor:
 
 
 OLD_RUN_VALUES = {"long_range_background": "texture"}  # runs from before the option drew on the texture
+REMOVED_OPTIONS = ("lookahead_decay",)  # measured and taken out (journal.md); a run that set one cannot go on
 
 
 def main(config: Config) -> dict:
@@ -514,11 +515,8 @@ def main(config: Config) -> dict:
     written."""
     t0 = time.perf_counter()
     cfg = cli.resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
-                             missing=OLD_RUN_VALUES) if config.resume else config
-    try:
-        dd, dev = runtime.place_process(cfg.device)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+                             missing=OLD_RUN_VALUES, removed=REMOVED_OPTIONS) if config.resume else config
+    dd, dev = runtime.place_process(cfg.device)
     out = cli.run_folder(cfg.out, cfg.resume)
     log = cli.console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:

@@ -5,6 +5,7 @@ tests/test_train.py (BAD_OPTIONS); these need data, files or a run."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import struct
@@ -174,6 +175,25 @@ def test_a_run_resumes_past_a_metrics_line_cut_by_a_crash_and_rewrites_cut_weigh
 
     assert set(load_file(weights)) == set(vitattn.create_model("cnn_quick", num_classes=3).state_dict())
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_run_saved_with_earlier_names_and_removed_options_resumes_or_is_refused(tmp_path, folder, capsys):
+    """A run folder of an earlier release: its preset names resolve to today's presets (a
+    FutureWarning), an option since removed that it left off is ignored, one it set is refused
+    (today's script would train another run), with the folder left as it was."""
+    cfg = tiny(tmp_path, folder, epochs=1, model="cnn")
+    T.main(cfg)
+    saved = Path(cfg.out) / "config.json"
+    old = json.loads(saved.read_text())
+    old.update(cnn_preset="cnn_cifar_small", lookahead_decay=None)  # as written before both changed
+    saved.write_text(json.dumps(old))
+    with pytest.warns(FutureWarning, match="'cnn_cifar_small' is now create_model\\('cnn_quick'"):
+        assert T.command_line(["--resume", cfg.out, "--no-progress"]) == 0
+    old["lookahead_decay"] = 0.95
+    saved.write_text(json.dumps(old))
+    before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
+    refused(capsys, ["--resume", cfg.out], "the run used --lookahead-decay 0.95, which train_cifar.py no longer has")
+    assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
 
 
 def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):

@@ -158,11 +158,17 @@ def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> di
     return out
 
 
-def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | None = None, **keep: Any) -> Any:
+class _RemovedOption(Exception):
+    """A saved run set an option the script no longer has."""
+
+
+def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | None = None,
+                   removed: tuple[str, ...] = (), **keep: Any) -> Any:
     """The config saved in the run folder ``run`` (its ``config.json``), as ``cls``, with ``resume``
     and ``out`` set to the folder and the fields in ``keep`` taken from this command line.
     ``missing`` gives what a field the saved config lacks meant before it was added (not today's
-    default, which would silently change the run)."""
+    default, which would silently change the run); ``removed`` names fields since taken out, which
+    a saved run may hold if it left them off."""
     folder = Path(run)
     if not folder.is_dir():
         raise UsageError(f"--resume {run}: no such run folder")
@@ -172,6 +178,12 @@ def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | N
             raise TypeError(f"expected a JSON object, got {type(saved).__name__}")
         saved = {**(missing or {}), **saved}
         known = {f.name: f for f in dataclasses.fields(cls)}
+        used = {k: v for k, v in saved.items() if k in removed and v not in (None, 0, 0.0, False, "", "{}")}
+        if used:  # an option the script no longer has, set: today's script would train another run
+            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
+            raise _RemovedOption(f"the run used {flags}, which {script} no longer has (the journal says why); it "
+                                 "cannot be continued by this version")
+        saved = {k: v for k, v in saved.items() if k not in removed}  # removed and left off: nothing changes
         saved = {k: tuple(v) if isinstance(v, list) and known.get(k) and known[k].type.startswith("tuple") else v
                  for k, v in saved.items()}
         return cls(**{**saved, "resume": str(folder), "out": str(folder), **keep})
@@ -179,6 +191,8 @@ def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | N
         raise UsageError(f"--resume {run}: no config.json there; expected a folder written by {script}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--resume {run}: config.json is not valid JSON ({e}); nothing was changed") from None
+    except _RemovedOption as e:
+        raise UsageError(f"--resume {run}: {e}") from None
     except (TypeError, UsageError) as e:
         raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cli import Signalled
+from .cli import Signalled, UsageError
 
 
 @dataclass
@@ -173,9 +173,13 @@ def setup_distributed(device: torch.device) -> Dist:
 
 def place_process(name: str) -> tuple[Dist, torch.device]:
     """This process's place in a torchrun (one process when there is none) and its device:
-    ``name`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) taken at the local rank, made CUDA's current."""
-    dd = setup_distributed(pick_device(name, int(os.environ.get("LOCAL_RANK", "0"))))
-    device = pick_device(name, dd.local_rank)
+    ``name`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) taken at the local rank, made CUDA's current.
+    A device that is not there raises ``UsageError`` (the script's ``--device`` was wrong)."""
+    try:
+        dd = setup_distributed(pick_device(name, int(os.environ.get("LOCAL_RANK", "0"))))
+        device = pick_device(name, dd.local_rank)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return dd, device
