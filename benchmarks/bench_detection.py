@@ -22,8 +22,8 @@ exist before the mark, so the figure is activations and temporaries). The
 subprocess fixes glibc's mmap threshold at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that tensors
 freed by the warm-up go back to the kernel instead of staying in the heap and hiding the peak.
 
-    python benchmarks/bench_detection.py              # ~5 min
-    python benchmarks/bench_detection.py --sizes 256 --repeats 1                   # quick look
+    python -m benchmarks.bench_detection              # ~5 min
+    python -m benchmarks.bench_detection --sizes 256 --repeats 1                   # quick look
 
 Writes ``benchmarks/results/detection.json`` and ``.md``.
 

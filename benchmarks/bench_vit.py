@@ -10,9 +10,9 @@ libraries), achieved GFLOP/s (``torch.utils.flop_counter.FlopCounterMode``, coun
 and its share of a fp32 matmul peak measured in the same run, and the peak memory of one step
 (CPU allocator events from ``torch.profiler``; with ``--device cuda`` the CUDA allocator's peak).
 
-    python benchmarks/bench_vit.py                      # all eager cases
-    python benchmarks/bench_vit.py --cases cifar_train --repeats 3 --iters 1        # quick look
-    python benchmarks/bench_vit.py --compile --cases cifar_train tiny_infer
+    python -m benchmarks.bench_vit                      # all eager cases
+    python -m benchmarks.bench_vit --cases cifar_train --repeats 3 --iters 1        # quick look
+    python -m benchmarks.bench_vit --compile --cases cifar_train tiny_infer
 
 Cases: (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
 (d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built

@@ -9,7 +9,7 @@ family. A ViT whose windows are one patch in every block is its own series, the 
 attention, and so is a ViT with rotary position codes; the dash-dot line at 3/4 is what a mean
 read-out of features that never see both marks can reach on the alignment task (docs/context.md).
 
-    python benchmarks/longrange_depth.py runs/depth_*/summary.json --out docs/img --name longrange_depth
+    python -m benchmarks.longrange_depth runs/depth_*/summary.json --out docs/img --name longrange_depth
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ batch 64, horizontal flips where they keep the label):
 - ``--cue colour`` (pointing only): the arrow's colour names its direction (colours 0-3), the plus
   takes colour 4 or 5, so a linear patch embedding can see the direction; no flips.
 
-    python benchmarks/longrange_probe.py --preset vit_quick --target direction \
+    python -m benchmarks.longrange_probe --preset vit_quick --target direction \
         --over '{"class_token": false, "global_pool": "max"}' --minutes 1
-    python benchmarks/longrange_probe.py --preset cnn_quick --sgd --lr 0.1 --wd 5e-4 --cue colour
-    python benchmarks/longrange_probe.py --task colour --background plain --minutes 1.5 \
+    python -m benchmarks.longrange_probe --preset cnn_quick --sgd --lr 0.1 --wd 5e-4 --cue colour
+    python -m benchmarks.longrange_probe --task colour --background plain --minutes 1.5 \
         --over '{"depth": 4, "class_token": false, "global_pool": "max"}'
 """
 

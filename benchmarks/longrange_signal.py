@@ -13,15 +13,15 @@ difference g_b(true labels) - g_b(shuffled) isolates the part that depends on th
 1 when the labels give the model nothing first-order to follow. A task whose label no single
 place carries gives a model whose features are still local (or uniformly mixed) exactly that.
 
-    python benchmarks/longrange_signal.py --preset vit_quick cnn_longrange --task alignment colour
-    python benchmarks/longrange_signal.py --preset vit_longrange --task alignment --background plain
+    python -m benchmarks.longrange_signal --preset vit_quick cnn_longrange --task alignment colour
+    python -m benchmarks.longrange_signal --preset vit_longrange --task alignment --background plain
 
 For a ViT the table also gives where its first block starts: the entropy of the attention rows
 (ln 64 = 4.159 is uniform over 8x8 patches), the mean of each row's largest weight (1/64 =
 0.016 if uniform), and the gradient of the q, k and v projections relative to their weights
 (``||grad|| / ||W||`` over the batches' mean gradient):
 
-    python benchmarks/longrange_signal.py --preset vit_longrange --task alignment \
+    python -m benchmarks.longrange_signal --preset vit_longrange --task alignment \
         --background plain --seed S [--over '{"qk_norm": true}']
 """
 

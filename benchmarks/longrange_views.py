@@ -5,8 +5,8 @@ For each view in ``vitattn.longrange.VIEWS`` the label is predicted by the major
 ones (``view_accuracy``): a lower bound on what a model that sees only that much can reach.
 No images are rendered, so it takes seconds.
 
-    python benchmarks/longrange_views.py                      # the tasks at 32x32
-    python benchmarks/longrange_views.py --task pointing --img-size 32 48 64
+    python -m benchmarks.longrange_views                      # the tasks at 32x32
+    python -m benchmarks.longrange_views --task pointing --img-size 32 48 64
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ bfloat16) and the chain with ``vitattn.train.Muon`` (the same steps, Newton-Schu
 CPU). Every round visits every optimiser, in rotating order; the table gives medians. Also times
 the Newton-Schulz iteration alone on the model's matrices, in both dtypes.
 
-    python benchmarks/optimizer_step.py --model vit_quick --batch 256
+    python -m benchmarks.optimizer_step --model vit_quick --batch 256
 """
 
 from __future__ import annotations

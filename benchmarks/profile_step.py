@@ -8,7 +8,7 @@ adds, copies, the optimiser, ...). The GEMM share bounds what any rewrite of the
 if GEMMs are a fraction ``g`` of the step and run at the same speed in both libraries, removing
 *all* the other work speeds the step up by at most ``1 / g``.
 
-    python benchmarks/profile_step.py --case cifar_train
+    python -m benchmarks.profile_step --case cifar_train
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ comparison on a shared 2-core machine runs each model alone, which leaves two me
 This joins them into the same three panels (loss, accuracy per epoch, accuracy against
 training minutes) with ``vitattn.report.plot_curves``.
 
-    python benchmarks/time_to_accuracy.py docs/results/cifar10_cnn_*_budget30_*_metrics.jsonl \\
+    python -m benchmarks.time_to_accuracy docs/results/cifar10_cnn_*_budget30_*_metrics.jsonl \\
         docs/results/cifar10_vit_*_budget30_*_metrics.jsonl --out docs/img --name cifar10_budget30
 """
 
