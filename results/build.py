@@ -123,6 +123,7 @@ def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
 def command(config: dict, family: str) -> str:
     """The train_cifar.py command of a saved config: the options that differ from today's defaults."""
     import train_cifar
+    from vitattn.cli import options_in_use
 
     defaults = {f.name: f.default for f in dataclasses.fields(train_cifar.Config)}
     skip = {"out", "resume", "progress", "plots", "model", "vit_preset" if family != "vit" else "",
@@ -131,7 +132,7 @@ def command(config: dict, family: str) -> str:
     parts = ["python train_cifar.py", f"--model {family}"]
     if config.get("dataset", "cifar10") == "cifar10":
         skip |= {k for k in defaults if k.startswith("long_range_")}  # options of the other data set
-    gone = sorted(k for k, v in config.items() if k not in defaults and v not in (None, 0, 0.0, False))
+    gone = sorted(options_in_use(config, set(config) - set(defaults)))
     if gone:  # the run used an option the script no longer has: no command of today reproduces it
         raise SystemExit(f"a run used options train_cifar.py no longer has ({', '.join(gone)}); drop it from the "
                          "tables")
@@ -247,11 +248,11 @@ def speed_rows() -> list[dict]:
                                  "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
         elif "newton_schulz_ms_per_step" in d:  # optimizer_step.py: the ViT's step per optimiser
             ns = d["newton_schulz_ms_per_step"]
-            for name, rate in d["images_per_s"].items():
+            for name, img_s in d["images_per_s"].items():
                 dtype = {"muon_torch": "bfloat16", "muon_vitattn": "float32"}.get(name)
                 rows.append({"source": path.name, "case": f"training step, {name}", "note": today(d["model"]),
-                             "library": "vitattn", "precision": "fp32", "batch": d["batch"], "rate": significant(rate),
-                             "unit": "img/s", "ratio": round(rate / d["images_per_s"]["adamw"], 3),
+                             "library": "vitattn", "precision": "fp32", "batch": d["batch"], "rate": significant(img_s),
+                             "unit": "img/s", "ratio": round(img_s / d["images_per_s"]["adamw"], 3),
                              "newton_schulz_ms": round(ns[dtype], 1) if dtype else None, "hardware": hw,
                              "torch": d["torch"],
                              "command": f"python -m benchmarks.optimizer_step --model {today(d['model'])} "

@@ -158,6 +158,11 @@ def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> di
     return out
 
 
+def options_in_use(saved: dict[str, Any], names) -> dict[str, Any]:
+    """The entries of a saved config among ``names`` that are set: not None, 0, False or empty."""
+    return {k: v for k, v in saved.items() if k in names and v not in (None, 0, 0.0, False, "", "{}")}
+
+
 class _RemovedOption(Exception):
     """A saved run set an option the script no longer has."""
 
@@ -178,7 +183,7 @@ def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | N
             raise TypeError(f"expected a JSON object, got {type(saved).__name__}")
         saved = {**(missing or {}), **saved}
         known = {f.name: f for f in dataclasses.fields(cls)}
-        used = {k: v for k, v in saved.items() if k in removed and v not in (None, 0, 0.0, False, "", "{}")}
+        used = options_in_use(saved, removed)
         if used:  # an option the script no longer has, set: today's script would train another run
             flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
             raise _RemovedOption(f"the run used {flags}, which {script} no longer has (the journal says why); it "
