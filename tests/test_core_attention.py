@@ -290,7 +290,7 @@ def test_a_score_module_is_a_piece_of_its_own():
     x = torch.randn(2, 5, 8)
     score = scores.Additive(2, 4, additive_dim=3)
     attn = MultiHeadAttention(8, num_heads=2, score=score).eval()
-    assert attn.score_fn is score and score.q.shape == (2, 4, 3) and score.fused(x) is None
+    assert attn.score_fn is score and attn.score == "additive" and score.q.shape == (2, 4, 3) and score.fused(x) is None
     out, w = attn(x, return_attention=True)
     q, k, _ = attn.project_qkv(x, None)
     torch.testing.assert_close(w, score(q, k).softmax(-1))

@@ -147,8 +147,9 @@ class MultiHeadAttention(Attention):
             del self.qkv
             self.q = nn.Linear(dim, self.hidden_dim, bias=qkv_bias)
             self.kv = nn.Linear(context_dim, 2 * self.hidden_dim, bias=qkv_bias)
-        self.score = score if isinstance(score, str) else type(score).__name__
         self.score_fn = SCORES[score](num_heads, self.head_dim) if isinstance(score, str) else score
+        # the score's name in SCORES, as ViTConfig.score spells it, whichever way it came
+        self.score = next((n for n, c in SCORES.items() if type(self.score_fn) is c), type(self.score_fn).__name__)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return self.score_fn(q, k)
