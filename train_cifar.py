@@ -73,7 +73,12 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
                             choices=tuple(runtime.AMP_DTYPES))
     bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
     compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
-    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
+                         "'cuda:1' (one process)")
+    tf32: bool = option(True, "CUDA: TF32 matrix products and convolutions in fp32 runs (timm's default); "
+                        "--no-tf32 for exact fp32")
+    cudnn_benchmark: bool = option(True, "CUDA: let cuDNN time its convolution algorithms on first use and keep the "
+                                   "fastest")
     channels_last: bool = option(True, "NHWC memory layout for the CNN")
     tta: bool = option(True, "also report final accuracy over mirrored and shifted views")
     eval_batch_size: int = option(500, "images per evaluation batch")
@@ -219,6 +224,7 @@ class TrainState:
     train_seconds: float = 0.0  # time in training steps, summed over sessions
     images_seen: int = 0  # on this rank
     data_seconds: float = 0.0  # time making batches (index, augment, normalise)
+    compile_seconds: float = 0.0  # --compile: each session's first step, kept off the clock and the budget
     loss_sum: float = 0.0  # over this epoch's steps so far
     correct_sum: int = 0
     count: int = 0
@@ -245,7 +251,8 @@ class Run:
     amp_dtype: torch.dtype | None  # autocast precision; None = fp32
     scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
     running: torch.Tensor  # (loss sum, correct) of the steps since the loop last read them, on the device
-    ema: torch.optim.swa_utils.AveragedModel | None = None  # the averaged weights the run keeps, if any
+    ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
+    compiling: bool = False  # the next step compiles the model (--compile, first step of a session)
 
     def progress(self) -> float:
         return train.run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
@@ -256,12 +263,13 @@ class Run:
     def images_per_s(self, world: int) -> float:
         return self.st.images_seen * world / max(self.st.train_seconds, 1e-9)
 
-    def save(self, result: dict | None = None) -> None:
+    def save(self, rng: list[dict], result: dict | None = None) -> None:
+        """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
         checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                "state": asdict(self.st), "rng": runtime.rng_states(self.device), "family": self.family,
+                                "state": asdict(self.st), "rng": rng, "family": self.family,
                                 "result": result or {}, **extra}, self.ckpt)
 
 
@@ -273,13 +281,14 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
     amp_dtype = cfg.autocast_dtype()
     scaler = torch.amp.GradScaler(dev.type, enabled=amp_dtype == torch.float16)
     st = TrainState()
+    restored = False
     if ck is not None:  # read on the CPU (and checked) by main before anything was written
-        checkpoint.restore(ck, model, opt, scaler, dev)
+        restored = checkpoint.restore(ck, model, opt, scaler, dev, dd.rank)
         st = TrainState(**ck["state"])
         if ema is not None and not st.done:
             ema.load_state_dict(ck["ema"])
-    else:
-        torch.manual_seed(cfg.seed + 17 * dd.rank)  # the dropout / drop-path stream
+    if not restored:
+        torch.manual_seed(cfg.seed + 17 * dd.rank)  # each rank's own dropout / drop-path stream
     augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode)
     loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True,
                               drop_last=True, augment=augment, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
@@ -288,7 +297,7 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
                cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, dev,
-               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema)
+               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema, cfg.compile)
 
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
@@ -366,15 +375,19 @@ def train_epoch(run: Run, norm: nn.Module, dd: runtime.Dist, stop: runtime.StopF
         xb, yb = next(batches)
         t1 = time.perf_counter()
         train_step(run, xb, yb, norm)
-        st.data_seconds += t1 - t0
-        st.images_seen += len(yb)
         st.global_step += 1
         st.step_in_epoch += 1
         st.count += len(yb)
-        if dd.world == 1:
-            st.train_seconds += time.perf_counter() - t0
+        if run.compiling:  # compiling is not training: reported apart, and the budget is for steps
+            run.compiling = False
+            st.compile_seconds += time.perf_counter() - t0
         else:
-            pending += time.perf_counter() - t0
+            st.data_seconds += t1 - t0
+            st.images_seen += len(yb)
+            if dd.world == 1:
+                st.train_seconds += time.perf_counter() - t0
+            else:
+                pending += time.perf_counter() - t0
         if bar is not None:
             bar.update((round(min(st.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
     t0 = time.perf_counter()
@@ -408,13 +421,14 @@ def end_epoch(run: Run, cfg: Config, ds: Dataset, out: Path, dev: torch.device, 
     if ended:
         st.epoch, st.step_in_epoch = st.epoch + 1, 0
     st.done = run.progress() >= 1.0
+    rng = runtime.all_rng_states(dev, dd)  # a collective: every rank's streams go into rank 0's file
     if dd.main:
         checkpoint.append_jsonl(out / "metrics.jsonl", line)
         log(f"[{run.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f} acc "
             f"{line['train_acc']:.4f} | test loss {ev['loss']:.4f} acc {ev['acc']:.4f} | "
             f"{line['images_per_s']:.0f} img/s, {st.train_seconds:.0f} s")
         if not st.done:
-            run.save()
+            run.save(rng)
 
 
 def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
@@ -448,9 +462,10 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
         while run.progress() < 1.0:
             train_epoch(run, ds.norm, dd, stop, bar)
             end_epoch(run, cfg, ds, out, dev, dd, log)
-    except runtime.Interrupted:
+    except runtime.Interrupted:  # every rank stops at the same step (check_stop), so all gather
+        rng = runtime.all_rng_states(dev, dd)
         if dd.main:
-            run.save()
+            run.save(rng)
         raise
     finally:
         if bar is not None:
@@ -481,14 +496,17 @@ def finish(run: Run, cfg: Config, ds: Dataset, out: Path, dev: torch.device, dd:
                   final_loss=final["loss"], train_seconds=st.train_seconds, images_per_s=run.images_per_s(dd.world),
                   data_share=st.data_seconds / max(st.train_seconds, 1e-9), recipe=asdict(run.recipe),
                   batch_per_rank=run.loader.batch_size, world_size=dd.world, precision=run.precision(),
-                  pipeline=pipeline, wall_seconds=wall_s, **raw)
+                  pipeline=pipeline, wall_seconds=wall_s, compile_seconds=st.compile_seconds, **raw)
+    if dd.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
+        result["ranks_agree"] = runtime.ranks_agree(model, dd)
     if cfg.tta:
         result["final_acc_tta"], result["final_acc_tta_shift"] = final["acc_tta"], final["acc_tta_shift"]
     if ds.test_distance is not None:
         result["accuracy_by_distance"] = accuracy_by_distance(final["hits"], ds.test_distance,
                                                               DISTANCE_EDGES[cfg.long_range_task])
+    rng = runtime.all_rng_states(dev, dd)
     if dd.main:
-        run.save(result)
+        run.save(rng, result)
         checkpoint.save_safetensors(model, out / "checkpoints" / f"{run.family}.safetensors")
     return {**result, "model": model}
 
@@ -517,6 +535,8 @@ def main(config: Config) -> dict:
     cfg = cli.resumed_config(Config, config.resume, "train_cifar.py", progress=config.progress,
                              missing=OLD_RUN_VALUES, removed=REMOVED_OPTIONS) if config.resume else config
     dd, dev = runtime.place_process(cfg.device)
+    if dev.type == "cuda":
+        runtime.configure_cuda(cfg.tf32, cfg.cudnn_benchmark)
     out = cli.run_folder(cfg.out, cfg.resume)
     log = cli.console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(args.device)
     data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
                                                                     long_range_test=64)
-    result = {"environment": T.runtime.environment(dev), "native_bf16": native_bf16(dev), "command": " ".join(sys.argv),
+    result = {"environment": T.runtime.environment(dev), "native_bf16": native_bf16(dev),
+              "command": " ".join(["python -m benchmarks.precision_step", *sys.argv[1:]]),
               "gemm_gflops": {d: gemm_gflops(getattr(torch, d), dev) for d in args.dtypes}, "models": {}}
     print(f"native bf16: {result['native_bf16']}; 8192x512 @ 512x512 GFLOP/s: "
           + ", ".join(f"{d} {g:.1f}" for d, g in result["gemm_gflops"].items()), flush=True)

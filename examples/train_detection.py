@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -62,14 +63,21 @@ from vitattn.cli import (
     run_folder,
     start_run_folder,
 )
-from vitattn.detection import DETECTORS, SCALE_FACTORS, ViTDetBackbone, build_detector, coco_eval, coco_results
+from vitattn.detection import (
+    DETECTORS,
+    SCALE_FACTORS,
+    ViTDetBackbone,
+    autocast_backbone,
+    build_detector,
+    coco_eval,
+    coco_results,
+)
 from vitattn.optim import backward_step, param_groups, set_lr
 from vitattn.runtime import (
     AMP_DTYPES,
     Interrupted,
     NonFiniteLoss,
     StopFlag,
-    autocast,
     environment,
     pick_device,
     precision_warning,
@@ -111,13 +119,14 @@ class Config:
     weight_decay: float = option(0.1, "weight decay (not on biases, norms, position tables)")
     warmup: float = option(0.02, "fraction of the run spent warming up the lr, in [0, 1); then cosine to 0")
     clip_grad: float = option(1.0, "max gradient norm; 0 = off", aliases=("--grad-clip",))
-    workers: int = option(2, "data loading processes; 0 loads in this one", aliases=("-j",))
+    workers: int = option(min(8, os.cpu_count() or 1), "data loading processes (default: the CPUs, at most 8); 0 "
+                          "loads in this one", aliases=("-j",))
     limit_train: int | None = option(None, "use only the first N training images")
     limit_val: int | None = option(None, "evaluate only the first N val images")
     detections_per_img: int = option(100, "detections kept per image, as COCO scores them")
     score_thresh: float = option(0.05, "detections scoring below this are dropped before COCO scoring (torchvision's "
                                  "R-CNN default; its FCOS default, 0.2, would cut recall)")
-    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
+    amp: bool = option(False, "mixed precision: the backbone under autocast in --amp-dtype, heads and boxes in fp32")
     amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
                             choices=tuple(AMP_DTYPES))
     device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
@@ -277,11 +286,13 @@ def collate(batch: list) -> tuple[list, list]:
     return tuple(zip(*batch))
 
 
-def loader(split: Split, cfg: Config, order: list[int] | None = None) -> torch.utils.data.DataLoader:
-    """Batches in ``order`` (positions in the split; default: as listed)."""
+def loader(split: Split, cfg: Config, dev: torch.device, order: list[int] | None = None
+           ) -> torch.utils.data.DataLoader:
+    """Batches in ``order`` (positions in the split; default: as listed), in pinned memory for a
+    GPU, so that their copies there do not make the host wait."""
     return torch.utils.data.DataLoader(split.dataset, batch_size=cfg.batch_size, sampler=order, shuffle=False,
                                        num_workers=cfg.workers, collate_fn=collate,
-                                       persistent_workers=False, pin_memory=False)
+                                       persistent_workers=False, pin_memory=dev.type == "cuda")
 
 
 def epoch_order(n: int, seed: int, epoch: int, skip: int) -> list[int]:
@@ -335,9 +346,10 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
                              f"{[int(patch / s) for s in SCALE_FACTORS if patch / s == int(patch / s)]} from it")
         backbone = ViTDetBackbone(vit, cfg.out_channels, scale_factors=scales, window_size=cfg.window_size)
     box = "box_" if cfg.detector in ("fasterrcnn", "maskrcnn") else ""  # the R-CNNs' names start with box_
-    return build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
-                          **{f"{box}detections_per_img": cfg.detections_per_img,
-                             f"{box}score_thresh": cfg.score_thresh})
+    detector = build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
+                              **{f"{box}detections_per_img": cfg.detections_per_img,
+                                 f"{box}score_thresh": cfg.score_thresh})
+    return autocast_backbone(detector, cfg.autocast_dtype())  # --amp: the backbone; boxes stay fp32
 
 
 # =============================================================================================
@@ -371,15 +383,14 @@ def train_epoch(model, opt, scaler, train: Split, cfg: Config, dev, state: State
     steps_per_epoch = math.ceil(len(train.dataset) / cfg.batch_size)
     losses_sum, n, epoch_sum, epoch_n = 0.0, 0, 0.0, 0
     order = epoch_order(len(train.dataset), cfg.seed, state.epoch, state.seen)
-    for images, targets in loader(train, cfg, order):
+    for images, targets in loader(train, cfg, dev, order):
         done = progress(state, cfg, steps_per_epoch)
         if done >= 1:
             return True
         set_lr(opt, get_lr(done, cfg.lr, cfg.warmup, "cosine"))
         images, targets = to_device(images, targets, dev)
         t0 = time.perf_counter()
-        with autocast(dev, cfg.autocast_dtype()):
-            loss = sum(model(images, targets).values())
+        loss = sum(model(images, targets).values())  # --amp's autocast is inside, around the backbone
         backward_step(loss, opt, scaler, model.parameters(), cfg.clip_grad)
         value = float(loss.detach())  # waits for the step, so the clock below is the step's time
         state.train_s += time.perf_counter() - t0
@@ -403,9 +414,8 @@ def evaluate(model: nn.Module, val: Split, cfg: Config, dev: torch.device, categ
     """COCO box AP of the model on the val split (pycocotools, against the split's annotation file)."""
     model.eval()
     detections = []
-    for images, targets in loader(val, cfg):
-        with autocast(dev, cfg.autocast_dtype()):
-            outputs = model([im.to(dev) for im in images])
+    for images, targets in loader(val, cfg, dev):
+        outputs = model([im.to(dev) for im in images])
         for t, o in zip(targets, outputs):
             detections += coco_results(t["image_id"], {k: v.cpu() for k, v in o.items()}, category_ids)
     model.train()
@@ -419,7 +429,7 @@ def evaluate(model: nn.Module, val: Split, cfg: Config, dev: torch.device, categ
 
 def save(path: Path, model, opt, scaler, state: State, dev: torch.device, category_ids: list[int]) -> None:
     save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
-                 "state": asdict(state), "rng": rng_states(dev), "family": "detector",
+                 "state": asdict(state), "rng": [rng_states(dev)], "family": "detector",
                  "category_ids": category_ids}, path)
 
 

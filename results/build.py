@@ -37,6 +37,7 @@ BENCH = ROOT / "benchmarks" / "results"
 OUT = ROOT / "results"
 # machine tags in the raw files' names -> what the hardware is
 MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EPYC VM, AVX-512",
+            "epyc2bf16": "2-core AMD EPYC VM, AVX-512 + AVX512-BF16",
             "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX"}
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "images_per_s", "train_min", "params", "hardware",

@@ -198,6 +198,28 @@ def test_detector_train_step_and_eval(kind):
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
 
 
+def test_autocast_runs_the_backbone_in_bf16_and_decodes_boxes_in_fp32():
+    from vitattn.detection import autocast_backbone
+
+    torch.manual_seed(0)
+    model = autocast_backbone(small_detector("fcos", tiny_vit(depth=2)), torch.bfloat16).eval()
+    seen = {}
+
+    def record(name, dtype_of):
+        def hook(module, inputs, output) -> None:  # a hook that returns a value would replace the output
+            seen.setdefault(name, dtype_of(inputs, output))
+        return hook
+
+    model.backbone.vit.blocks[0].attn.qkv.register_forward_hook(record("qkv", lambda i, o: o.dtype))
+    model.head.register_forward_hook(record("head", lambda i, o: i[0][0].dtype))
+    images, _ = batch()
+    with torch.no_grad():
+        out = model(images)
+    assert seen == {"qkv": torch.bfloat16, "head": torch.float32}
+    assert all(o["boxes"].dtype == o["scores"].dtype == torch.float32 for o in out)
+    assert set(model.state_dict()) == set(small_detector("fcos", tiny_vit(depth=2)).state_dict())  # same names
+
+
 class TwoLevels(torch.nn.Module):
     """A stand-in for any other backbone: what build_detector reads is out_channels and strides."""
 

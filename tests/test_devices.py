@@ -1,12 +1,13 @@
 """The main job on an accelerator, checked without one.
 
-No GPU is needed: the run's device is a stand-in, torch's ``meta`` device under a
-``FakeTensorMode`` (tensors with shapes, dtypes and devices but no values). Every op that mixes
-a tensor on the stand-in with one on the CPU fails there as it would on CUDA, so a batch, a
-checkpoint or a reduction left on the host is caught. Reading a value gives 1 (``False`` for a
-flag), so the loop runs on; what the run computes is checked on the CPU by tests/test_train.py.
-The host keeps real tensors where a real run has them: decoded images, freshly built models,
-checkpoints read from disk.
+No GPU is needed: the run's device is a stand-in (tests/device_stand_in.py), torch's ``meta``
+device under a ``FakeTensorMode``. Every op that mixes a tensor on the stand-in with one on the
+CPU fails there as it would on CUDA, so a batch, a checkpoint or a reduction left on the host is
+caught, and so is a random draw from a generator on the wrong device; host-device traffic is
+counted per step. ``torch.cuda``'s device functions, NCCL's one-GPU-per-rank rule and DDP's
+``device_ids`` are stood in for by fakes that check their arguments as torch does. What the run
+computes is checked on the CPU by tests/test_train.py. The host keeps real tensors where a real
+run has them: decoded images, freshly built models, checkpoints read from disk.
 """
 
 from __future__ import annotations
@@ -17,21 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from device_stand_in import STAND_IN, FakeCuda, StandIn, fake_ddp, fake_nccl
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import train_cifar as T
-
-aten = torch.ops.aten
-STAND_IN = torch.device("meta")
-
-
-class StandIn(FakeTensorMode):
-    """Fake tensors whose reads give 1 (a flag reads ``False``)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is aten._local_scalar_dense.default:
-            return False if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+from vitattn import checkpoint, runtime
+from vitattn.cli import UsageError
 
 
 def on_host(fn):
@@ -63,10 +55,16 @@ def keep_on_host(monkeypatch) -> None:
     monkeypatch.setattr(T.report, "write_report", lambda *a, **k: None)
 
 
+def enter_stand_in(monkeypatch) -> StandIn:
+    keep_on_host(monkeypatch)
+    mode = StandIn()
+    monkeypatch.setattr(T.data, "step_generator", mode.device_generator(T.data.step_generator))
+    return mode
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
-    keep_on_host(monkeypatch)
-    with StandIn(allow_non_fake_inputs=True) as mode:
+    with enter_stand_in(monkeypatch) as mode:
         yield mode
 
 
@@ -111,8 +109,7 @@ def test_a_run_resumes_on_the_device_from_a_checkpoint_read_on_the_host(tmp_path
     monkeypatch.setattr(T.F, "cross_entropy", cross_entropy)
     saved = (Path(cfg.out) / "config.json").read_text().replace('"device": "cpu"', '"device": "meta"')
     (Path(cfg.out) / "config.json").write_text(saved)
-    keep_on_host(monkeypatch)
-    with StandIn(allow_non_fake_inputs=True):
+    with enter_stand_in(monkeypatch):
         s = T.main(T.Config(resume=cfg.out, progress=False))
     assert s["status"] == "ok"
 
@@ -132,6 +129,7 @@ def test_two_ranks_reduce_only_tensors_on_the_device(tmp_path, folder, stand_in,
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         monkeypatch.setattr(dist, "all_reduce", nccl_like)
+        monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 2))
         monkeypatch.setattr(T.nn.parallel, "DistributedDataParallel", lambda m, **k: m)  # DDP: tests/test_train.py
         monkeypatch.setenv("WORLD_SIZE", "2")
         s = T.main(config(tmp_path, folder))
@@ -156,3 +154,113 @@ def test_the_package_and_its_muon_need_no_torch_optim_muon():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0 and out.stdout.strip() == "Muon", out.stderr
+
+
+# -- the host waits for the GPU only when it must ----------------------------------------------
+
+
+@pytest.mark.parametrize("model,kw", [("vit", dict(model_ema_decay=0.9, optimizer="adamw")), ("cnn", dict(cutout=4)),
+                                      ("vit", dict(amp=True, amp_dtype="bfloat16", optimizer="muon"))],
+                         ids=["vit-adamw-ema", "cnn-sgd-cutout", "vit-muon-bf16"])
+def test_a_steady_state_step_moves_nothing_between_host_and_device(tmp_path, folder, stand_in, monkeypatch, model,
+                                                                     kw):
+    """Each copy or read between host and GPU makes the host wait for the GPU's queue: in steady
+    state a step queues work and nothing else; the loop reads its sums every READ_EVERY steps."""
+    if kw.get("amp"):  # autocast has no meta backend: the CPU's leaves meta ops as they are
+        cpu_autocast = T.runtime.autocast
+        for module in (T.runtime, T.train):
+            monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
+    monkeypatch.setattr(T, "READ_EVERY", 4)
+    per_step, step_of = [], []
+    last = {"n": stand_in.traffic.total()}
+    train_step = T.train_step
+
+    def counted(run, xb, yb, norm):  # the traffic since the previous step: one loop iteration's
+        per_step.append(stand_in.traffic.total() - last["n"])
+        step_of.append((run.st.global_step, run.st.step_in_epoch))
+        train_step(run, xb, yb, norm)
+        last["n"] = stand_in.traffic.total()
+
+    monkeypatch.setattr(T, "train_step", counted)
+    s = T.main(config(tmp_path, folder, model=model, epochs=3, batch_size=6, **kw))
+    assert s["status"] == "ok"
+    # steady state: not an epoch's first step (evaluation and a checkpoint came before it), not a read's
+    steady = [(step, n) for (step, in_epoch), n in zip(step_of, per_step) if step % T.READ_EVERY and in_epoch]
+    assert len(steady) >= 8 and all(n == 0 for _, n in steady), steady
+    assert sum(per_step) > 0  # the reads every READ_EVERY steps are there, and counted
+
+
+def test_the_stand_in_counts_copies_and_reads_and_checks_generators(stand_in):
+    x = torch.zeros(4, device=STAND_IN)
+    before = stand_in.traffic.total()
+    y = torch.ones(4).to(STAND_IN)  # host -> device
+    float(x.sum())  # a read
+    x.cpu()  # device -> host
+    assert stand_in.traffic.total() - before == 3 and y.device == STAND_IN
+    with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
+        torch.randint(0, 3, (4,), generator=torch.Generator(), device=STAND_IN)
+    T.data.translate_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8, device=STAND_IN), 2, True,
+                          T.data.step_generator(0, 1, device=STAND_IN))  # drawn on the device: accepted
+
+
+# -- torch.cuda, NCCL and DDP as a GPU machine checks them -------------------------------------
+
+
+@pytest.mark.parametrize("name,env,expect", [
+    ("cuda", {}, 0), ("auto", {}, 0), ("cuda:1", {}, 1),
+    ("cuda", dict(WORLD_SIZE="2", LOCAL_RANK="1"), 1), ("auto", dict(WORLD_SIZE="2", LOCAL_RANK="1"), 1)])
+def test_every_cuda_device_gets_an_index_before_set_device(monkeypatch, name, env, expect):
+    cuda = FakeCuda(count=2).install(monkeypatch)
+    monkeypatch.setattr(runtime, "setup_distributed", lambda device: runtime.Dist())
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _, dev = runtime.place_process(name)
+    assert dev == torch.device("cuda", expect) and cuda.set_calls == [expect]
+    assert runtime.rng_states(dev)["cuda"][0] == expect  # the GPU's own random state, by index
+
+
+@pytest.mark.parametrize("name,env,message", [
+    ("cuda:0", dict(WORLD_SIZE="2", LOCAL_RANK="1"), "names one GPU for 2 processes"),
+    ("cuda:2", {}, "has 2 CUDA device"), ("cuda", dict(WORLD_SIZE="4", LOCAL_RANK="3"), "has 2 CUDA device")])
+def test_a_gpu_that_is_not_this_process_s_is_refused_in_one_line(monkeypatch, name, env, message):
+    FakeCuda(count=2).install(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UsageError, match=message):
+        runtime.place_process(name)
+
+
+@pytest.mark.parametrize("name", ["cuda", "auto"])
+def test_torchrun_ranks_each_take_their_own_gpu_for_nccl_and_ddp(monkeypatch, name):
+    cuda = FakeCuda(count=2).install(monkeypatch)
+    bound, wrapped = {}, []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(T.nn.parallel, "DistributedDataParallel", fake_ddp(cuda, wrapped))
+    for rank in (0, 1):  # the two processes of a torchrun, one after the other
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setattr(dist, "init_process_group", fake_nccl(bound, rank))
+        monkeypatch.setattr(dist, "get_rank", lambda r=rank: r)
+        monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+        dd, dev = runtime.place_process(name)
+        runtime.wrap_model(torch.nn.Linear(2, 2), dd, dev)
+        assert (dd.rank, dd.local_rank, dev) == (rank, rank, torch.device("cuda", rank))
+    assert bound == {0: 0, 1: 1} and wrapped == [0, 1]
+
+
+def test_each_rank_resumes_its_own_random_streams(monkeypatch):
+    cuda = FakeCuda(count=2).install(monkeypatch)
+    model, opt = torch.nn.Linear(2, 2), None
+    states = []
+    for rank in (0, 1):  # what all_rng_states gathers from two ranks
+        torch.manual_seed(100 + rank)
+        states.append(runtime.rng_states(torch.device("cuda", rank)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": states}
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        assert checkpoint.restore(ck, model, opt, scaler, torch.device("cuda", rank), rank)
+        assert torch.equal(torch.get_rng_state(), states[rank]["cpu"])
+        assert torch.equal(cuda.states[rank], states[rank]["cuda"])
+    assert not checkpoint.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh

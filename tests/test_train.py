@@ -157,6 +157,26 @@ def test_muon_in_bfloat16_steps_exactly_as_torch_and_in_fp32_close_to_it(adjust,
     torch.optim.Muon(fast, lr=0.02).load_state_dict(fast_opt.state_dict())
 
 
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_muon_batched_by_shape_equals_one_matrix_at_a_time(ns_dtype):
+    """Matrices of one shape share one batched Newton-Schulz (a few kernels instead of a few dozen
+    per matrix); each still steps exactly as if it were alone."""
+    from vitattn.train import Muon
+    shapes = [(32, 16), (32, 16), (16, 48), (32, 16), (16, 48)]
+    together, _ = _muon_steps(Muon, shapes, ns_dtype=ns_dtype, adjust_lr_fn="match_rms_adamw")
+    torch.manual_seed(0)
+    alone = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]  # as _muon_steps draws them
+    opts = [Muon([p], lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, adjust_lr_fn="match_rms_adamw") for p in alone]
+    for i in range(3):
+        torch.manual_seed(10 + i)
+        for p in alone:
+            p.grad = torch.randn_like(p)
+        for o in opts:
+            o.step()
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_near_one():
     from vitattn.train import orthogonalize
     g = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-2, 1, 24))
@@ -492,12 +512,34 @@ def test_two_process_gloo_run_ends_with_equal_weights(tmp_path, folder):
     mp.spawn(_ddp_worker, args=(2, port, cfg, str(tmp_path)), nprocs=2, join=True)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert a["status"] == b["status"] == "ok"
+    ck = torch.load(Path(cfg.out) / "checkpoints" / "cnn.pt", weights_only=True)
+    assert len(ck["rng"]) == 2 and not torch.equal(ck["rng"][0]["cpu"], ck["rng"][1]["cpu"])  # each rank's own
     for k, v in a["state"].items():  # DDP also broadcasts rank 0's BN statistics each step
         assert torch.equal(v, b["state"][k]), k
     rows = metrics(cfg.out)
     assert [r["epoch"] for r in rows] == [1, 2]  # rank 0 alone writes
     summary = json.loads((Path(cfg.out) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["models"]["cnn"]["batch_per_rank"] == 6
+    assert summary["models"]["cnn"]["ranks_agree"] is True
+
+
+def test_compile_time_is_reported_apart_and_kept_off_the_budget(tmp_path, folder, monkeypatch):
+    """--compile's first step compiles (minutes on a GPU for a large model): it is not training."""
+    class SlowFirstCall(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.calls = module, 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 1:
+                time.sleep(1.5)  # what compiling costs, in miniature
+            return self.module(x)
+
+    monkeypatch.setattr(T.runtime.torch, "compile", SlowFirstCall)
+    s = T.main(tiny(tmp_path, folder, epochs=1, compile=True))
+    r = s["models"]["cnn"]
+    assert r["compile_seconds"] >= 1.5 and r["train_seconds"] < 1.5
 
 
 def test_configs_round_trip_through_json(tmp_path, folder):

@@ -32,10 +32,13 @@ References: Vaswani et al. 2017; timm ``vision_transformer.Attention``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .helpers import Size2, to_2tuple
 from .pos_embed import rotate_qk
@@ -43,6 +46,36 @@ from .scores import SCORES
 from .window import window_attend, window_mask
 
 __all__ = ["SCORES", "Attention", "MultiHeadAttention", "merge_masks", "window_mask"]
+
+# calls in a torch.fx trace (torchvision's create_feature_extractor), not traced into: they read
+# shapes and devices, which are proxies while tracing
+for _leaf in ("rearrange", "rotate_qk", "fused_attention", "check_tokens", "window_attend"):
+    torch.fx.wrap(_leaf)
+
+
+# Training in bf16 on a CPU, short sequences: the flash kernel's bf16 backward runs at about fp32's
+# speed, while the math kernel's products run at the native bf16 rate (2x the step of the CIFAR ViT
+# on an AVX512-BF16 CPU); from about 120 keys on, flash is faster again (docs/performance.md).
+# 0 keeps the flash kernel everywhere.
+CPU_BF16_MATH_MAX_KEYS = 100
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+                    scale: float) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the math backend for bf16 training on a CPU over at
+    most ``CPU_BF16_MATH_MAX_KEYS`` keys, on torch's choice otherwise."""
+    if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
+            and k.shape[-2] <= CPU_BF16_MATH_MAX_KEYS):
+        kernel = sdpa_kernel(SDPBackend.MATH)
+    else:
+        kernel = contextlib.nullcontext()
+    with kernel:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def check_tokens(x: torch.Tensor) -> None:
+    if x.ndim != 3:
+        raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
 
 
 class Attention(nn.Module):
@@ -81,7 +114,8 @@ class Attention(nn.Module):
         # stacks the three gradients straight into qkv's layout, one copy where unbinding a
         # 'three b h n d' view takes two (a stack, then a permuted clone).
         qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=self.num_heads)
-        q, k, v = (rearrange(t, "b n h d -> b h n d") for t in qkv.unbind(2))
+        q, k, v = qkv.unbind(2)  # unpacked in one statement, as torch.fx traces it
+        q, k, v = (rearrange(t, "b n h d -> b h n d") for t in (q, k, v))
         return self.q_norm(q), self.k_norm(k), v
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -100,8 +134,7 @@ class Attention(nn.Module):
         ``(B, heads, Nq, Nk)``."""
         fused = self.fused_query(q) if self.fused and not need_weights else None
         if fused is not None:  # the same computation in one kernel, without the N x N weights
-            drop = self.attn_drop.p if self.training else 0.0
-            return F.scaled_dot_product_attention(fused[0], k, v, attn_mask=mask, dropout_p=drop, scale=fused[1]), None
+            return fused_attention(fused[0], k, v, mask, self.attn_drop.p if self.training else 0.0, fused[1]), None
         s = self.scores(q, k)  # the readable path: score, mask, softmax, weighted sum
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
@@ -209,8 +242,7 @@ class MultiHeadAttention(Attention):
             rope: rotary angles ``(sin, cos)``, each ``(G, head_dim)``, for the last ``G`` keys
                 (the patch tokens; :func:`vitattn.pos_embed.rope_2d`): see :func:`rotate_qk`.
         """
-        if x.ndim != 3:
-            raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
+        check_tokens(x)
         q, k, v = self.project_qkv(x, context)
         if rope is not None:
             q, k = rotate_qk(q, k, rope)
@@ -240,6 +272,8 @@ def merge_masks(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor |
                 k_shape: torch.Size) -> torch.Tensor | None:
     """One boolean mask (True = may attend) from an ``attn_mask`` and a ``key_padding_mask``
     (True = padding), both checked; ``None`` when neither is given."""
+    if attn_mask is None and key_padding_mask is None:
+        return None
     b, h, nq, _ = q_shape
     nk = k_shape[2]
     mask = None

@@ -100,14 +100,20 @@ def resume_checkpoint(path: Path, model: nn.Module, family: str) -> dict | None:
     return ck
 
 
-def restore(ck: dict, model: nn.Module, opt: Any, scaler: torch.amp.GradScaler, device: torch.device) -> None:
-    """Load a checkpoint's weights, optimiser state, fp16 loss scale and random streams."""
+def restore(ck: dict, model: nn.Module, opt: Any, scaler: torch.amp.GradScaler, device: torch.device,
+            rank: int = 0) -> bool:
+    """Load a checkpoint's weights, optimiser state, fp16 loss scale and this rank's random streams
+    (``ck['rng']`` holds one entry per rank, ``runtime.all_rng_states``). Returns False when the
+    checkpoint has no random state for ``rank`` (a run resumed with more processes than it had):
+    the caller seeds that rank afresh."""
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     if scaler.is_enabled() and "scaler" in ck:
         scaler.load_state_dict(ck["scaler"])
-    rng = ck["rng"]
-    set_rng_states(rng if isinstance(rng, dict) else {"cpu": rng}, device)  # early runs kept the CPU's alone
+    if rank >= len(ck["rng"]):
+        return False
+    set_rng_states(ck["rng"][rank], device)
+    return True
 
 
 def save_safetensors(model: nn.Module, path: Path) -> None:

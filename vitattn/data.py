@@ -7,8 +7,8 @@
       -> normalize          float, per-channel mean / std                          (B, 3, H, W) float
 
 No per-image PIL work after the first decode: every epoch is tensor indexing. Randomness comes
-from a generator seeded by ``(seed, epoch, step, rank)``, so a run resumed at any step draws the
-same batches as one that never stopped.
+from a generator on the images' device seeded by ``(seed, epoch, step, rank)``, so a run resumed
+at any step draws the same batches as one that never stopped.
 
 References: Keller Jordan's airbench (``airbench94.py``: the dataset as tensors, per-batch flip and
 translate); DeVries & Taylor 2017 (cutout).
@@ -312,12 +312,13 @@ def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator,
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
     b, c, h, w = x.shape
-    # the draws come from the CPU generator (the same batches on every device), the work runs on x's
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
-    mirrored = (torch.rand(b, generator=gen) < 0.5) if flip else torch.zeros(b, dtype=torch.bool)
+    # drawn where the images are (gen lives on x's device): no host-device copy per batch
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen, device=x.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen, device=x.device)
+    mirrored = (torch.rand(b, generator=gen, device=x.device) < 0.5) if flip else torch.zeros(b, dtype=torch.bool,
+                                                                                              device=x.device)
     cols = torch.arange(w, device=x.device)
-    cols = torch.where(mirrored.to(x.device)[:, None], cols.flip(0), cols) + dx[:, None]  # (B, W)
+    cols = torch.where(mirrored[:, None], cols.flip(0), cols) + dx[:, None]  # (B, W)
     rows = torch.arange(h, device=x.device) + dy[:, None]  # (B, H)
     xp = torch.nn.functional.pad(x, (pad, pad, pad, pad), mode=padding_mode) if pad > 0 else x
     xp = xp.gather(2, rows[:, None, :, None].expand(b, c, h, w + 2 * pad))
@@ -329,8 +330,8 @@ def cutout(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
     if size <= 0:
         return x
     b, _, h, w = x.shape
-    cy = torch.randint(0, h, (b,), generator=gen).to(x.device)[:, None, None]
-    cx = torch.randint(0, w, (b,), generator=gen).to(x.device)[:, None, None]
+    cy = torch.randint(0, h, (b,), generator=gen, device=x.device)[:, None, None]
+    cx = torch.randint(0, w, (b,), generator=gen, device=x.device)[:, None, None]
     ys, xs = torch.arange(h, device=x.device)[None, :, None], torch.arange(w, device=x.device)[None, None, :]
     hole = ((ys - cy).abs() <= size // 2) & ((xs - cx).abs() <= size // 2)  # (B, H, W)
     return x.masked_fill(hole[:, None], 0)
@@ -379,9 +380,12 @@ class Normalize(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Batches: a per-epoch permutation, this rank's shard, seeded per step
 # ---------------------------------------------------------------------------------------------
-def step_generator(seed: int, *keys: int) -> torch.Generator:
-    """A generator for one ``(seed, epoch, step, rank, ...)``: resumable at any step, no state."""
-    g = torch.Generator()
+def step_generator(seed: int, *keys: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` for one ``(seed, epoch, step, rank, ...)``: resumable at any step,
+    no state. Seeding a GPU's generator is a host operation: nothing waits for the GPU. CPU and
+    GPU generators draw different numbers from one seed, so a run's batches depend on its device
+    (and on nothing else)."""
+    g = torch.Generator(device=device)
     g.manual_seed(int(hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=7).hexdigest(), 16))
     return g
 
@@ -392,8 +396,8 @@ class BatchLoader:
     Every rank draws the same permutation for an epoch and takes ``perm[rank::world]``, so
     ranks see disjoint shards of equal size (the remainder is dropped when training). With
     ``drop_last`` a short final batch is dropped, as in training. Held on a GPU, the images are
-    indexed, augmented and (by the caller) normalised there: the host only draws the random
-    numbers (airbench's way), from the same CPU generators on every device.
+    indexed, augmented and (by the caller) normalised there, with the random numbers drawn there
+    too (airbench's way): the host only queues work.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool = True,
@@ -415,8 +419,10 @@ class BatchLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def indices(self, epoch: int) -> torch.Tensor:
-        n = len(self.x)
-        idx = torch.randperm(n, generator=step_generator(self.seed, epoch)) if self.shuffle else torch.arange(n)
+        """This rank's image indices for ``epoch``, on the images' device (drawn there)."""
+        n, dev = len(self.x), self.x.device
+        idx = (torch.randperm(n, generator=step_generator(self.seed, epoch, device=dev), device=dev) if self.shuffle
+               else torch.arange(n, device=dev))
         if self.shuffle:
             idx = idx[: n - n % self.world_size]  # equal shards, so ranks step in lockstep
         return idx[self.rank::self.world_size]
@@ -424,12 +430,11 @@ class BatchLoader:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches of one epoch from ``start_step`` on (for resuming mid-epoch)."""
         idx = self.indices(epoch)
-        idx = idx.to(self.x.device)
         for step in range(start_step, len(self)):
             j = idx[step * self.batch_size:(step + 1) * self.batch_size]
             x = self.x[j]
             if self.augment is not None:
-                x = self.augment(x, step_generator(self.seed, epoch, step, self.rank))
+                x = self.augment(x, step_generator(self.seed, epoch, step, self.rank, device=self.x.device))
             yield x, self.y[j]
 
 

@@ -89,18 +89,31 @@ class StopFlag:
             signal.signal(s, old)
 
 
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``'auto'`` is CUDA (this rank's GPU) when present, else the CPU; other names as torch reads them.
-    Raises a ``ValueError`` for a name torch does not know or a CUDA device that is not there."""
+def pick_device(name: str, local_rank: int = 0, world: int = 1) -> torch.device:
+    """The device this process trains on, always with an index for CUDA (``torch.cuda.set_device``,
+    DDP's ``device_ids`` and the random states need one). ``'auto'`` is CUDA when present, else the
+    CPU; ``'cuda'`` is this rank's GPU (``cuda:<local rank>``); ``'cuda:N'`` is GPU N for a single
+    process. Under torchrun each rank owns its local GPU, so an explicit index with several
+    processes, which would put every rank on one GPU (NCCL refuses that), is refused. Raises a
+    ``ValueError`` for a name torch does not know or a CUDA device that is not there."""
     if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"device {name!r} is not a device torch knows (expected auto, cpu, cuda, cuda:N)") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but this machine has no CUDA device; use --device cpu")
-    return dev
+    if dev.index is not None and world > 1:
+        raise ValueError(f"device {name!r} names one GPU for {world} processes; under torchrun each rank takes its "
+                         "local GPU: use --device cuda (or auto)")
+    index = local_rank if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device cuda:{index} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", index)
 
 
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
@@ -110,6 +123,17 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
     return states
+
+
+def all_rng_states(device: torch.device, dd: Dist) -> list[dict[str, torch.Tensor]]:
+    """Every rank's ``rng_states``, in rank order, on every rank (a collective: all ranks call it),
+    so the checkpoint rank 0 writes gives each rank its own dropout stream back."""
+    states = rng_states(device)
+    if dd.world == 1:
+        return [states]
+    gathered: list = [None] * dd.world
+    dist.all_gather_object(gathered, {k: v.cpu() for k, v in states.items()})
+    return gathered
 
 
 def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -166,29 +190,44 @@ def setup_distributed(device: torch.device) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():  # NCCL bound to this rank's GPU from the start (device_id)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def place_process(name: str) -> tuple[Dist, torch.device]:
-    """This process's place in a torchrun (one process when there is none) and its device:
-    ``name`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) taken at the local rank, made CUDA's current.
-    A device that is not there raises ``UsageError`` (the script's ``--device`` was wrong)."""
+    """This process's place in a torchrun (one process when there is none) and its device
+    (``pick_device``), made CUDA's current before the process group starts, so that NCCL binds
+    each rank to its own GPU. A device that is not there raises ``UsageError`` (the script's
+    ``--device`` was wrong)."""
+    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     try:
-        dd = setup_distributed(pick_device(name, int(os.environ.get("LOCAL_RANK", "0"))))
-        device = pick_device(name, dd.local_rank)
+        device = pick_device(name, local_rank, world)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return dd, device
+    return setup_distributed(device), device
+
+
+def configure_cuda(tf32: bool = True, benchmark: bool = True) -> None:
+    """The settings every GPU trainer sets (timm, airbench): TF32 matrix products and convolutions
+    (fp32 inputs, 10-bit mantissa products, fp32 sums) and cuDNN's autotuner, which picks the
+    fastest convolution for each shape on its first use. Both off for bit-exact fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = benchmark
 
 
 def wrap_model(model: nn.Module, dd: Dist, device: torch.device, compile: bool = False) -> nn.Module:
     """The module a training step calls: ``model`` in DistributedDataParallel across a torchrun's
     ranks, then compiled (compiling the DDP module lets its optimiser split graphs at buckets)."""
     if dd.world > 1:
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(f"DDP on CUDA needs the rank's GPU index, got {device} (use pick_device)")
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return torch.compile(model) if compile else model
 
@@ -202,6 +241,19 @@ def average_buffers(model: nn.Module, dd: Dist) -> None:
         if b.is_floating_point():
             dist.all_reduce(b)
             b /= dd.world
+
+
+def ranks_agree(model: nn.Module, dd: Dist) -> bool:
+    """Whether every rank holds the same weights and buffers (a collective): each rank's
+    fingerprint, float64 sums of its floating tensors and of their squares, compared by MIN and MAX."""
+    if dd.world == 1:
+        return True
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    low = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).flatten()
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool((low == high).all())
 
 
 def environment(device: torch.device, repo: Path | None = None) -> dict:

@@ -37,6 +37,7 @@ from .cli import UsageError, option
 from .data import PADDING_MODES
 from .optim import (  # noqa: F401
     OPTIMIZERS,
+    ModelEma,
     Muon,
     OptimizerChain,
     build_optimizer,
@@ -55,11 +56,14 @@ from .runtime import (  # noqa: F401
     Signalled,
     StopFlag,
     all_reduce_,
+    all_rng_states,
     autocast,
     average_buffers,
+    configure_cuda,
     environment,
     native_bf16,
     pick_device,
+    ranks_agree,
     rng_states,
     set_rng_states,
     setup_distributed,
