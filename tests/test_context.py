@@ -456,5 +456,5 @@ def test_average_read_out_adds_up_places_unless_a_layer_reaches_across():
     assert interaction(SmallCNN(**cnn, widths=(16,))) < 1e-4
     assert interaction(SmallCNN(**cnn, widths=(16, 16, 16))) > 1e-3
     assert interaction(SmallCNN(**{**cnn, "global_pool": "max"}, widths=(16,))) > 0.1
-    with pytest.raises(ValueError, match="global_pool must be 'max' or 'avg', got 'token'"):
+    with pytest.raises(ValueError, match=r"global_pool must be 'max', 'avg' or '' \(no pooling\), got 'token'"):
         CNNConfig(global_pool="token")

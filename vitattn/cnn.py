@@ -49,7 +49,7 @@ class CNNConfig:
     bn_eps: float = 1e-5  # BatchNorm's epsilon (airbench: 1e-12)
     dirac_init: bool = False  # start each conv as an identity on its first in-channels (an implicit residual)
     stem: str = "conv"  # 'conv': conv3x3-BN-GELU; 'whiten': frozen 2x2 patch-whitening conv + GELU (airbench)
-    global_pool: str = "max"  # 'max' (airbench) or 'avg': a mean makes the logits a sum over places
+    global_pool: str = "max"  # 'max' (airbench) or 'avg' (a mean makes the logits a sum over places); '' no pooling
 
     def __post_init__(self) -> None:
         for name in ("in_chans", "stem_width"):
@@ -64,8 +64,7 @@ class CNNConfig:
         for name in ("bn_weight", "dirac_init"):
             check_bool(name, getattr(self, name))
         self.widths = tuple(self.widths)
-        if self.global_pool not in ("max", "avg"):
-            raise ValueError(f"global_pool must be 'max' or 'avg', got {self.global_pool!r}")
+        check_pool(self.global_pool, self.num_classes)
         if self.stem not in ("conv", "whiten"):
             raise ValueError(f"stem must be 'conv' or 'whiten', got {self.stem!r}")
         if not (0.0 <= self.bn_momentum <= 1.0 and self.bn_eps > 0):
@@ -78,6 +77,25 @@ class CNNConfig:
         return asdict(self)
 
 
+def check_images(x: torch.Tensor, in_chans: int, weight: torch.Tensor | None = None) -> None:
+    """Images ``(B, in_chans, H, W)``, floating point (in ``weight``'s dtype unless autocast)."""
+    if x.ndim != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"expected images (B, {in_chans}, H, W), got {tuple(x.shape)}")
+    if weight is not None:
+        check_input_dtype(x, weight)
+
+
+torch.fx.wrap("check_images")  # a call in a torch.fx trace: it reads shapes, which are proxies there
+
+
+def check_pool(global_pool: str, num_classes: int) -> None:
+    if global_pool not in ("max", "avg", ""):
+        raise ValueError(f"global_pool must be 'max', 'avg' or '' (no pooling), got {global_pool!r}")
+    if global_pool == "" and num_classes > 0:
+        raise ValueError(f"global_pool='' returns the unpooled map, which has no classifier: use num_classes=0, got "
+                         f"{num_classes}")
+
+
 def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dirac_init: bool = False,
             bn_momentum: float = 0.1, bn_eps: float = 1e-5) -> nn.Sequential:
     conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
@@ -88,9 +106,18 @@ def conv_bn(cin: int, cout: int, pool: bool = False, bn_weight: bool = True, dir
     if pool:
         layers.append(nn.MaxPool2d(2))
     bn = nn.BatchNorm2d(cout, eps=bn_eps, momentum=bn_momentum)
-    bn.weight.requires_grad_(bn_weight)
+    if not bn_weight:  # a scale fixed at 1 is a constant, not a parameter that never learns
+        freeze(bn, "weight")
     layers += [bn, nn.GELU()]
     return nn.Sequential(*layers)
+
+
+def freeze(module: nn.Module, name: str) -> None:
+    """Turn ``module``'s parameter ``name`` into a buffer of the same name and value: it is saved
+    and moved with the module, never trained, and no optimiser or gradient check sees it."""
+    value = getattr(module, name).detach()
+    delattr(module, name)
+    module.register_buffer(name, value)
 
 
 def whitening_filters(images: torch.Tensor, kernel_size: int = 2, eps: float = 5e-4) -> torch.Tensor:
@@ -113,10 +140,16 @@ def whitening_filters(images: torch.Tensor, kernel_size: int = 2, eps: float = 5
     return torch.cat([filters, -filters]).to(images.dtype if images.is_floating_point() else torch.float32)
 
 
-def stage_intermediates(stages: nn.ModuleList, x: torch.Tensor, take: list[int], intermediates_only: bool):
-    """Run ``stages`` in turn, keeping the maps of those in ``take``: ``(final, maps)`` or ``maps``."""
+def stage_intermediates(stages: nn.ModuleList, x: torch.Tensor, take: list[int], intermediates_only: bool,
+                        output_fmt: str = "NCHW", stop_early: bool = False):
+    """Run ``stages`` in turn, keeping the maps of those in ``take``: ``(final, maps)`` or ``maps``
+    (the stages after the last kept one are skipped for ``maps`` alone, or with ``stop_early``).
+    Maps only come as ``'NCHW'`` (timm's argument, checked)."""
+    if output_fmt != "NCHW":
+        raise ValueError(f"a CNN's intermediates are maps: output_fmt must be 'NCHW', got {output_fmt!r}")
     out = []
-    for i, stage in enumerate(stages):
+    last = max(take) if intermediates_only or stop_early else len(stages) - 1
+    for i, stage in enumerate(stages[:last + 1]):
         x = stage(x)
         if i in take:
             out.append(x)
@@ -134,15 +167,20 @@ class SmallCNN(nn.Module):
             config = CNNConfig(**{**config.to_dict(), **overrides})
         self.config = c = config
         self.num_classes = c.num_classes
-        self.num_features = c.widths[-1]
+        self.global_pool = c.global_pool
+        self.num_features = self.head_hidden_size = c.widths[-1]
         self.grad_checkpointing = False
+        side = 32 - (c.stem == "whiten")  # a 2x2 whitening conv without padding takes one pixel
+        strides = [2 ** (i + 1) for i in range(len(c.widths))]
         self.pretrained_cfg = dict(input_size=(c.in_chans, 32, 32), mean=CIFAR10_MEAN, std=CIFAR10_STD,
                                    num_classes=c.num_classes, interpolation="bilinear", crop_pct=1.0,
-                                   first_conv="stem.0", classifier="head")
+                                   pool_size=(side // strides[-1],) * 2, first_conv="stem.0", classifier="head")
+        self.feature_info = [dict(module=f"stages.{i}", num_chs=w, reduction=r)
+                             for i, (w, r) in enumerate(zip(c.widths, strides))]
         opts = dict(bn_weight=c.bn_weight, dirac_init=c.dirac_init, bn_momentum=c.bn_momentum, bn_eps=c.bn_eps)
         if c.stem == "whiten":  # set from data by init_stem; the weights stay fixed, the bias learns
             whiten = nn.Conv2d(c.in_chans, c.stem_width, 2, bias=True)
-            whiten.weight.requires_grad_(False)
+            freeze(whiten, "weight")
             self.stem = nn.Sequential(whiten, nn.GELU())
         else:
             self.stem = conv_bn(c.in_chans, c.stem_width, **opts)
@@ -169,9 +207,7 @@ class SmallCNN(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, num_features, H/2^S, W/2^S)``."""
-        if x.ndim != 4 or x.shape[1] != self.config.in_chans:
-            raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
-        check_input_dtype(x, self.stem[0].weight)
+        check_images(x, self.config.in_chans, self.stem[0].weight)
         x = self.stem(x)
         for stage in self.stages:
             x = checkpoint(stage, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() \
@@ -196,22 +232,30 @@ class SmallCNN(nn.Module):
         return self.pretrained_cfg
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``(B, C, h, w) -> (B, num_classes)``: global max- or average-pool, dropout, linear."""
-        x = self.head_drop(x.amax(dim=(2, 3)) if self.config.global_pool == "max" else x.mean(dim=(2, 3)))
+        """``(B, C, h, w) -> (B, num_classes)``: global max- or average-pool, dropout, linear;
+        with ``global_pool=''`` (and no classifier) the map itself."""
+        if self.global_pool == "":
+            return x
+        x = self.head_drop(x.amax(dim=(2, 3)) if self.global_pool == "max" else x.mean(dim=(2, 3)))
         return x if pre_logits else self.head(x) * self.config.head_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None,
-                              intermediates_only: bool = False):
-        """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT."""
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT; timm's
+        signature (``norm`` has nothing to apply: the stages end in BatchNorm + GELU)."""
         take = feature_take_indices(len(self.stages), indices)
-        if x.ndim != 4 or x.shape[1] != self.config.in_chans:
-            raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got {tuple(x.shape)}")
-        return stage_intermediates(self.stages, self.stem(x), take, intermediates_only)
+        check_images(x, self.config.in_chans)
+        return stage_intermediates(self.stages, self.stem(x), take, intermediates_only, output_fmt, stop_early)
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the head (timm's method); ``num_classes=0`` leaves pooled features,
+        ``global_pool=''`` with it the unpooled map."""
         check_int("num_classes", num_classes, low=0)
+        if global_pool is not None:
+            check_pool(global_pool, num_classes)
+            self.global_pool = global_pool
         self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
         self.head = nn.Linear(self.num_features, num_classes, bias=False) if num_classes > 0 else nn.Identity()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .helpers import feature_take_indices, to_2tuple
+from .helpers import feature_take_indices
 
 
 class FeatureInfo(list):
@@ -28,24 +28,22 @@ class FeatureInfo(list):
 
 class FeatureExtractor(nn.Module):
     """``(B, C, H, W) -> [(B, C_i, H / r_i, W / r_i), ...]``: the levels ``out_indices`` of a
-    vitattn ViT (block outputs as maps, stride = the patch) or CNN (stage outputs, stride 2^(i+1)),
-    from the model's ``forward_intermediates``; ``out_indices`` as timm takes them (``None`` for
-    every level, an int ``n`` for the last ``n``, or indices)."""
+    vitattn model's ``feature_info`` (ViT: block outputs as maps, stride = the patch; CNN: stage
+    outputs, stride 2^(i+1)), from its ``forward_intermediates``; ``out_indices`` as timm takes
+    them (``None`` for every level, an int ``n`` for the last ``n``, or indices)."""
 
     def __init__(self, model: nn.Module, out_indices: int | Sequence[int] | None = None) -> None:
         super().__init__()
-        if hasattr(model, "blocks"):
-            levels = [dict(num_chs=model.embed_dim, reduction=to_2tuple(model.patch_embed.patch_size)[0],
-                           module=f"blocks.{i}") for i in range(len(model.blocks))]
-        elif hasattr(model, "stages"):
-            levels = [dict(num_chs=w, reduction=2 ** (i + 1), module=f"stages.{i}")
-                      for i, w in enumerate(model.config.widths)]
-        else:
-            raise TypeError(f"features_only needs a vitattn ViT or CNN, got {type(model).__name__}")
+        if not hasattr(model, "feature_info") or not hasattr(model, "forward_intermediates"):
+            raise TypeError(f"features_only needs a vitattn model with feature_info, got {type(model).__name__}")
         self.model = model
-        self.out_indices = feature_take_indices(len(levels), out_indices)
-        self.feature_info = FeatureInfo(levels[i] for i in self.out_indices)
+        self.out_indices = feature_take_indices(len(model.feature_info), out_indices)
+        self.feature_info = FeatureInfo(model.feature_info[i] for i in self.out_indices)
         self.pretrained_cfg = model.pretrained_cfg
+
+    @property
+    def default_cfg(self) -> dict:  # timm's older name
+        return self.pretrained_cfg
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.model.forward_intermediates(x, indices=self.out_indices, intermediates_only=True)

@@ -81,3 +81,10 @@ def check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"expected {weight.dtype} images, the model's dtype, got {x.dtype}; cast the images "
                         f"(x.to({weight.dtype})), convert the model (model.to({x.dtype})) or run under torch.autocast")
+
+
+def is_tracing() -> bool:
+    """Whether ``torch.fx`` is tracing the model: shapes are then proxies, not numbers, and a
+    traced model takes one input size (timm's ``fixed_input_size``)."""
+    trace = torch.fx._symbolic_trace
+    return getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)()  # the first since torch 2.10

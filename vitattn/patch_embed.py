@@ -13,7 +13,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .helpers import Size2, check_input_dtype, to_2tuple
+from .helpers import Size2, check_input_dtype, is_tracing, to_2tuple
+
+# torch.fx (torchvision's create_feature_extractor) records these as calls instead of tracing into
+# them: einops and the input checks read shapes, which are proxies while tracing
+for _leaf in ("rearrange", "check_image", "check_input_dtype", "pad_to_patches"):
+    torch.fx.wrap(_leaf)
 
 
 def check_image(x: torch.Tensor, patch_size: Size2, in_chans: int | None = None) -> None:
@@ -27,6 +32,12 @@ def check_image(x: torch.Tensor, patch_size: Size2, in_chans: int | None = None)
     for name, size, p in (("height", x.shape[2], patch_size[0]), ("width", x.shape[3], patch_size[1])):
         if size % p:
             raise ValueError(f"image {name} {size} is not divisible by patch size {p}")
+
+
+def pad_to_patches(x: torch.Tensor, patch_size: Size2) -> torch.Tensor:
+    """Pad the bottom and right edges of images ``(B, C, H, W)`` up to multiples of the patch."""
+    pad_h, pad_w = (-x.shape[-2]) % patch_size[0], (-x.shape[-1]) % patch_size[1]
+    return F.pad(x, (0, pad_w, 0, pad_h)) if pad_h or pad_w else x
 
 
 def patchify(images: torch.Tensor, patch_size: int | Size2) -> torch.Tensor:
@@ -102,13 +113,11 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor, fast: bool = True) -> tuple[torch.Tensor, Size2]:
         p1, p2 = self.patch_size
-        if self.dynamic_img_pad and x.ndim == 4:
-            pad_h, pad_w = (-x.shape[2]) % p1, (-x.shape[3]) % p2
-            if pad_h or pad_w:
-                x = F.pad(x, (0, pad_w, 0, pad_h))
+        if self.dynamic_img_pad:
+            x = pad_to_patches(x, self.patch_size)
         check_image(x, self.patch_size, self.in_chans)
         check_input_dtype(x, self.proj.weight)
-        grid = (x.shape[2] // p1, x.shape[3] // p2)
+        grid = self.grid_size if is_tracing() else (x.shape[2] // p1, x.shape[3] // p2)
         if fast:
             x = rearrange(self.proj(x), "b d gh gw -> b (gh gw) d")
         else:

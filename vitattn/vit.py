@@ -18,6 +18,7 @@ References: Dosovitskiy et al. 2021; timm ``models/vision_transformer.py``; big_
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,10 +29,13 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import SCORES
 from .block import Block
-from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
+from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, is_tracing, to_2tuple
 from .init import lecun_normal_
 from .patch_embed import PatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
+
+for _leaf in ("rearrange", "repeat"):  # calls in a torch.fx trace: einops reads shapes (proxies there)
+    torch.fx.wrap(_leaf)
 
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
@@ -125,12 +129,14 @@ class ViT(nn.Module):
         self.config = c = config
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
-        self.embed_dim = self.num_features = c.embed_dim
+        self.embed_dim = self.num_features = self.head_hidden_size = c.embed_dim  # timm's three names
         self.grad_checkpointing = False
-        # what timm's data tools read (resolve_data_config); the registry sets a preset's own data
+        # what timm's data tools read (resolve_data_config); the registry sets a preset's own data.
+        # A learned table fits one grid, so the input size is fixed unless resampled on the fly.
         self.pretrained_cfg = dict(input_size=(c.in_chans, *to_2tuple(c.img_size)), mean=(0.5, 0.5, 0.5),
                                    std=(0.5, 0.5, 0.5), num_classes=c.num_classes, interpolation="bicubic",
-                                   crop_pct=0.9, first_conv="patch_embed.proj", classifier="head")
+                                   crop_pct=0.9, first_conv="patch_embed.proj", classifier="head",
+                                   fixed_input_size=c.pos_embed == "learn" and not c.dynamic_img_size)
         self.num_prefix_tokens = 1 if c.class_token else 0
         self.dynamic_img_size = c.dynamic_img_size
         use_fc_norm = c.global_pool in ("avg", "avgmax", "max") if c.fc_norm is None else c.fc_norm
@@ -154,6 +160,9 @@ class ViT(nn.Module):
                   window_size=c.window_size if i in c.window_block_indexes else None)
             for i in range(c.depth)
         )
+        # timm's per-level description: every block's tokens as a map at the patch's stride
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=c.embed_dim,
+                                  reduction=to_2tuple(c.patch_size)[0]) for i in range(c.depth)]
         self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(c.embed_dim, eps=1e-6)
         self.fc_norm = nn.LayerNorm(c.embed_dim, eps=1e-6) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
@@ -194,11 +203,14 @@ class ViT(nn.Module):
     def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
         """The sincos table ``(1, P + gh*gw, D)`` for this grid; prefix positions are zero."""
         key = (grid, device, dtype, self.config.pos_embed)
-        if key not in self._fixed_pos:
+        if is_tracing() or key not in self._fixed_pos:  # a trace's device and dtype are proxies: no cache
             gh, gw, d = grid[0], grid[1], self.embed_dim
             table = sincos_2d(gh, gw, d) if self.config.pos_embed == "sincos2d" else sincos_1d(gh * gw, d)
             table = torch.cat([torch.zeros(self.num_prefix_tokens, d), table])
-            self._fixed_pos[key] = table[None].to(device=device, dtype=dtype)
+            table = table[None].to(device=device, dtype=dtype)
+            if is_tracing():
+                return table
+            self._fixed_pos[key] = table
         return self._fixed_pos[key]
 
     def rope_for(self, grid: tuple[int, int], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -207,9 +219,12 @@ class ViT(nn.Module):
         if not self.config.use_rot_pos_emb:
             return None
         key = ("rope", tuple(grid), x.device, x.dtype)
-        if key not in self._fixed_pos:
+        if is_tracing() or key not in self._fixed_pos:  # a trace's device and dtype are proxies: no cache
             sin, cos = rope_2d(grid[0], grid[1], self.embed_dim // self.config.num_heads, self.config.rope_temperature)
-            self._fixed_pos[key] = (sin.to(x.device, x.dtype), cos.to(x.device, x.dtype))
+            angles = (sin.to(x.device, x.dtype), cos.to(x.device, x.dtype))
+            if is_tracing():
+                return angles
+            self._fixed_pos[key] = angles
         return self._fixed_pos[key]
 
     def pos_embed_for(self, grid: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
@@ -263,17 +278,29 @@ class ViT(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, P + N, D)``, after the final norm."""
         x, grid = self.embed(x)
-        rope = self.rope_for(grid, x)
-        for blk in self.blocks:
-            x = self.run_block(blk, x, grid, rope)
+        x, _, _ = self.run_blocks(x, grid, self.rope_for(grid, x))
         return self.norm(x)
 
-    def run_block(self, blk: nn.Module, x: torch.Tensor, grid: tuple[int, int], rope) -> torch.Tensor:
-        """One block; with gradient checkpointing its activations are recomputed in the backward
-        pass instead of kept (less memory, one more forward)."""
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            return checkpoint(blk, x, grid, self.num_prefix_tokens, rope=rope, use_reentrant=False)
-        return blk(x, grid, self.num_prefix_tokens, rope=rope)
+    def run_blocks(self, x: torch.Tensor, grid: tuple[int, int], rope, *, stop: int | None = None,
+                   take: Collection[int] = (), attention: bool = False
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The one loop over the blocks, which every forward method uses: tokens through
+        ``blocks[:stop]`` (all by default), the outputs of the blocks in ``take`` kept, and with
+        ``attention`` each block's weights. With gradient checkpointing each block's activations
+        are recomputed in the backward pass instead of kept (less memory, one more forward).
+        Returns ``(tokens, kept outputs, weights)``."""
+        kept, maps = [], []
+        for i, blk in enumerate(self.blocks[:stop]):
+            if attention:
+                x, weights = blk(x, grid, self.num_prefix_tokens, rope=rope, return_attention=True)
+                maps.append(weights)
+            elif self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, grid, self.num_prefix_tokens, rope=rope, use_reentrant=False)
+            else:
+                x = blk(x, grid, self.num_prefix_tokens, rope=rope)
+            if i in take:
+                kept.append(x)
+        return x, kept, maps
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, P + N, D) -> (B, D)``: the class token, or the mean / max / (mean + max) / 2 of
@@ -306,9 +333,13 @@ class ViT(nn.Module):
             return self.forward_head(self.forward_features(x))
         x, grid = self.embed(x)
         rope = self.rope_for(grid, x)
-        for blk in self.blocks[:-1]:
-            x = self.run_block(blk, x, grid, rope)
-        return self.forward_head(self.norm(self.blocks[-1].forward_first(x, self.num_prefix_tokens, rope)))
+        x, _, _ = self.run_blocks(x, grid, rope, stop=-1)
+        last = self.blocks[-1].forward_first
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            x = checkpoint(last, x, self.num_prefix_tokens, rope, use_reentrant=False)
+        else:
+            x = last(x, self.num_prefix_tokens, rope)
+        return self.forward_head(self.norm(x))
 
     def forward_intermediates(
         self,
@@ -318,32 +349,30 @@ class ViT(nn.Module):
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
         return_prefix_tokens: bool = False,
+        stop_early: bool = False,
     ):
         """Per-block outputs as maps ``(B, D, gh, gw)`` (``'NCHW'``) or tokens ``(B, N, D)``
         (``'NLC'``), timm's signature.
 
         ``indices``: ``None`` for every block, an int ``n`` for the last ``n``, or a list of block
         indices (negative counts from the end). Returns ``(final_features, intermediates)``, or
-        only the list with ``intermediates_only=True``.
+        only the list with ``intermediates_only=True``; ``stop_early`` skips the blocks after the
+        last one asked for (the final features are then that block's, normed).
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = feature_take_indices(len(self.blocks), indices)
         p = self.num_prefix_tokens
         x, grid = self.embed(x)
-        rope = self.rope_for(grid, x)
+        x, kept, _ = self.run_blocks(x, grid, self.rope_for(grid, x), take=take,
+                                     stop=max(take) + 1 if intermediates_only or stop_early else None)
         out = []
-        last = max(take)
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, grid, p, rope=rope)
-            if i in take:
-                y = self.norm(x) if norm else x
-                prefix, y = y[:, :p], y[:, p:]
-                if output_fmt == "NCHW":
-                    y = rearrange(y, "b (gh gw) d -> b d gh gw", gh=grid[0], gw=grid[1])
-                out.append((y, prefix) if return_prefix_tokens else y)
-            if intermediates_only and i == last:
-                break
+        for y in kept:
+            y = self.norm(y) if norm else y
+            prefix, y = y[:, :p], y[:, p:]
+            if output_fmt == "NCHW":
+                y = rearrange(y, "b (gh gw) d -> b d gh gw", gh=grid[0], gw=grid[1])
+            out.append((y, prefix) if return_prefix_tokens else y)
         if intermediates_only:
             return out
         return self.norm(x), out
@@ -356,11 +385,7 @@ class ViT(nn.Module):
         as ``forward``'s.
         """
         x, grid = self.embed(x)
-        rope = self.rope_for(grid, x)
-        maps = []
-        for blk in self.blocks:
-            x, w = blk(x, grid, self.num_prefix_tokens, return_attention=True, rope=rope)
-            maps.append(w)
+        _, _, maps = self.run_blocks(x, grid, self.rope_for(grid, x), attention=True)
         return maps
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
