@@ -230,6 +230,27 @@ def test_library_arguments_are_checked_where_they_enter(make, error, message):
         make()
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda a: a(torch.zeros(2, 8)), ValueError, r"expected tokens of shape \(B, N, D\), got a 2-D tensor"),
+    (lambda a: a(torch.zeros(1, 2, 3, 4, 8)), ValueError, "got a 5-D tensor"),
+    (lambda a: a(torch.zeros(2, 4, 8, dtype=torch.int64)), TypeError, "expected torch.float32 tokens"),
+    (lambda a: a(torch.zeros(2, 4, 8, dtype=torch.float64)), TypeError, "got torch.float64"),
+    (lambda a: a(torch.zeros(2, 0, 8)), ValueError, "at least one of the tokens"),
+    (lambda a: vitattn.MultiHeadAttention(8, 2)(torch.zeros(2, 4, 8), context=torch.zeros(2, 0, 8)), ValueError,
+     "at least one of the context tokens"),
+])
+def test_attention_names_what_it_expected_and_what_came(call, error, message):
+    with pytest.raises(error, match=message):
+        call(vitattn.Attention(8, 2))
+
+
+@pytest.mark.parametrize("out_indices, message", [((), "no layer indices given"), ((2, 2), "name a layer twice"),
+                                                  ((1, -5), "name a layer twice")])
+def test_features_only_refuses_empty_or_repeated_levels(out_indices, message):
+    with pytest.raises(ValueError, match=message):
+        vitattn.create_model("vit_quick", features_only=True, out_indices=out_indices)
+
+
 @pytest.mark.parametrize("name", ["vit_quick", "cnn_quick"])
 @pytest.mark.parametrize("dtype, message", [(torch.uint8, "expected floating-point images"),
                                             (torch.float64, "expected torch.float32 images"),

@@ -735,12 +735,21 @@ def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
     f.write_text("lr: 0.01\n--epochs: 2\nmodel: cnn\n")
     cfg = T.parse_args(["-c", str(f), "--epochs", "3"])  # the file gives defaults, the command line wins
     assert (cfg.lr, cfg.epochs, cfg.model) == (0.01, 3.0, "cnn")
-    for text, message in (("colour: red\n", "unknown option(s) ['colour']"), ("epochs: [1, 2]\n", "single value"),
-                          ("lr: [oops\n", "cannot read it as YAML")):
-        f.write_text(text)
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+    for text, message in (("colour: red\n", "unknown option(s) ['colour']"),
+                          ("epochs: [1, 2]\n", "epochs must be float | None, got [1, 2] (list)"),
+                          ("lr: [oops\n", "cannot read it as a config"),
+                          ("batch_size: true\n", "batch_size must be int | None, got True (bool)"),
+                          ("model: null\n", "model must be str, got None"),
+                          ("flip: 1\n", "flip must be bool, got 1 (int)"),
+                          (b"lr: 0.01 \xff\xfe\n", "expected UTF-8 text, got a byte 0xff at offset 9"),
+                          (bomb, "aliases expand to 490,329,064 values, more than 10,000")):
+        f.write_bytes(text) if isinstance(text, bytes) else f.write_text(text)
         with pytest.raises(SystemExit) as e:
             T.parse_args(["-c", str(f)])
-        assert e.value.code == 2 and message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()[-1]) < 300, err[-500:]
     with pytest.raises(SystemExit) as e:
         T.parse_args(["--list-models", "cnn_*"])
     listing = capsys.readouterr().out

@@ -73,9 +73,15 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
-def check_tokens(x: torch.Tensor) -> None:
+def check_tokens(x: torch.Tensor, weight: torch.Tensor, name: str = "tokens") -> None:
+    """Tokens ``(B, N, D)`` with at least one token, floating point in ``weight``'s dtype unless
+    autocast casts them."""
     if x.ndim != 3:
-        raise ValueError(f"expected tokens of shape (B, N, D), got {tuple(x.shape)}")
+        raise ValueError(f"expected {name} of shape (B, N, D), got a {x.ndim}-D tensor of shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"expected at least one of the {name}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point() or (x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(f"expected {weight.dtype} {name} (the weights' dtype, or any under autocast), got {x.dtype}")
 
 
 class Attention(nn.Module):
@@ -147,6 +153,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, return_attention: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        check_tokens(x, self.proj.weight)
         q, k, v = self.project_qkv(x)
         out, weights = self.attend(q, k, v, need_weights=return_attention)
         out = self.join_heads(out)
@@ -242,7 +249,9 @@ class MultiHeadAttention(Attention):
             rope: rotary angles ``(sin, cos)``, each ``(G, head_dim)``, for the last ``G`` keys
                 (the patch tokens; :func:`vitattn.pos_embed.rope_2d`): see :func:`rotate_qk`.
         """
-        check_tokens(x)
+        check_tokens(x, self.proj.weight)
+        if context is not None:
+            check_tokens(context, self.proj.weight, "context tokens")
         q, k, v = self.project_qkv(x, context)
         if rope is not None:
             q, k = rotate_qk(q, k, rope)

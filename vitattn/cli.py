@@ -134,26 +134,89 @@ def parse_config(p: argparse.ArgumentParser, cls: type, argv: list[str] | None,
         p.error(str(e))
 
 
+YAML_MAX_NODES = 10_000  # a config file is a few dozen values; aliases may not expand past this
+
+
+def preview(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: what a message echoes back of an input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _expanded_nodes(node, sizes: dict[int, int | None]) -> int:
+    """How many nodes ``node`` becomes once its aliases are expanded, counted on the composed
+    graph (where an alias is a shared node), so a file of aliases is measured without expanding it."""
+    import yaml
+
+    key = id(node)
+    if key in sizes:
+        if sizes[key] is None:
+            raise ValueError("an alias refers to a node that contains it")
+        return sizes[key]
+    sizes[key] = None
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded_nodes(c, sizes) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded_nodes(k, sizes) + _expanded_nodes(v, sizes) for k, v in node.value)
+    else:
+        n = 1
+    sizes[key] = n
+    return n
+
+
+def _type_ok(annotation: str, value: Any) -> bool:
+    """Whether a YAML value is of a config field's type, strictly: ``true`` is no number and a
+    number no flag; ``null`` only where the field allows None; a list only for a tuple field."""
+    kinds = [t.strip() for t in annotation.split("|")]
+    if value is None:
+        return "None" in kinds
+    for kind in kinds:
+        if kind.startswith("tuple") and isinstance(value, list):
+            inner = kind[kind.index("[") + 1:].split(",")[0].strip()
+            return all(_type_ok(inner, v) for v in value)
+        if kind == "bool" and isinstance(value, bool):
+            return True
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if kind == "str" and isinstance(value, str):
+            return True
+    return False
+
+
 def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> dict[str, Any]:
-    """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values."""
+    """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values, each of
+    its option's type. The file must be UTF-8 text whose aliases expand to at most
+    ``YAML_MAX_NODES`` nodes (checked before anything is expanded)."""
     import yaml
 
     try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        p.error(f"-c {path}: cannot read it as YAML ({str(e).splitlines()[0]})")
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        p.error(f"-c {path}: cannot read it ({e.strerror or e})")
+    except UnicodeDecodeError as e:
+        p.error(f"-c {path}: expected UTF-8 text, got a byte {e.object[e.start]:#04x} at offset {e.start} that is not")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        size = _expanded_nodes(node, {}) if node is not None else 0
+        if size > YAML_MAX_NODES:
+            raise ValueError(f"its aliases expand to {size:,} values, more than {YAML_MAX_NODES:,}")
+        values = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        p.error(f"-c {path}: cannot read it as a config: {why}")
     if not isinstance(values, dict):
         p.error(f"-c {path}: expected a mapping of option names to values, got {type(values).__name__}")
     fields_ = {f.name: f for f in dataclasses.fields(cls)}
     out = {str(k).lstrip("-").replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(out) - set(fields_))
     if unknown:
-        p.error(f"-c {path}: unknown option(s) {unknown}; see --help")
+        p.error(f"-c {path}: unknown option(s) {preview(unknown)}; see --help")
     for k, v in out.items():
-        many = fields_[k].type.startswith("tuple") and isinstance(v, list)
-        if v is not None and not many and not isinstance(v, (bool, int, float, str)):
-            p.error(f"-c {path}: {k} must be a single value, got {v!r}")
-        if many:
+        if not _type_ok(str(fields_[k].type), v):
+            p.error(f"-c {path}: {k} must be {fields_[k].type}, got {preview(v)} ({type(v).__name__})")
+        if isinstance(v, list):
             out[k] = tuple(v)
     return out
 

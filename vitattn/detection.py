@@ -64,7 +64,7 @@ def set_window_attention(vit: ViT, window_size: int | None, block_indexes: Seque
         block_indexes = ()
     elif block_indexes is None:
         block_indexes = vitdet_window_blocks(depth)
-    block_indexes = tuple(sorted(feature_take_indices(depth, list(block_indexes))))
+    block_indexes = tuple(sorted(feature_take_indices(depth, list(block_indexes)))) if block_indexes else ()
     for i, blk in enumerate(vit.blocks):
         blk.attn.window_size = to_2tuple(window_size) if i in block_indexes else None
     vit.config = dataclasses.replace(vit.config, window_size=window_size, window_block_indexes=block_indexes)

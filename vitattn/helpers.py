@@ -33,10 +33,15 @@ def feature_take_indices(num_features: int, indices: int | Sequence[int] | None 
             raise ValueError(f"indices={indices}: expected 1..{num_features} last layers")
         return list(range(num_features - indices, num_features))
     idx = [int(i) for i in indices]
+    if not idx:
+        raise ValueError(f"no layer indices given; expected at least one of 0..{num_features - 1} (or None for all)")
     if any(not -num_features <= i < num_features for i in idx):
         raise ValueError(f"layer indices {idx} out of range for {num_features} layers "
                          f"(expected {-num_features}..{num_features - 1})")
-    return [i % num_features for i in idx]
+    taken = [i % num_features for i in idx]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"layer indices {idx} name a layer twice; each level is returned once")
+    return taken
 
 
 def check_int(name: str, value: object, low: int = 1) -> None:
