@@ -444,9 +444,9 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
         return {**ck["result"], "model": model}
     if ck is not None:
         log(f"[{family}] resuming at epoch {run.st.epoch} step {run.st.step_in_epoch} ({run.st.train_seconds:.0f} s)")
-        if dd.main:  # drop lines written after the checkpoint
-            step = run.st.global_step
-            checkpoint.filter_jsonl(out / "metrics.jsonl", lambda m: m["model"] != family or m["step"] <= step)
+    if dd.main:  # drop lines written after the checkpoint (all of this model's when none was written)
+        step = run.st.global_step
+        checkpoint.filter_jsonl(out / "metrics.jsonl", lambda m: m["model"] != family or m["step"] <= step)
     pipeline = data.pipeline_speed(run.loader, ds.norm) if dd.main else {}
     r = run.recipe
     log(f"[{family}] {cfg.preset(family)}: {train.count_params(model) / 1e6:.3f} M params, "

@@ -142,7 +142,29 @@ def test_a_failure_mid_run_is_one_line_with_the_way_to_resume(tmp_path, folder, 
                            "--no-progress", "--no-plots"]) == 1
     err = capsys.readouterr().err
     assert "error: the run failed: RuntimeError: a kernel failed" in err and f"--resume {out}" in err
+    assert "no checkpoint was written yet" in err  # the first epoch's end failed: none to claim
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_is_named_leaves_no_temp_file_and_a_resume_writes_no_second_row(tmp_path, folder, capsys):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = disk / "run"  # room for the config and the metrics, not for a checkpoint (about 2 MB)
+        for argv in (["--data-dir", str(folder), "--model", "cnn", "--cnn-preset", "cnn_quick", "--batch-size", "12",
+                      "--epochs", "2", "--out", str(out), "--no-plots"], ["--resume", str(out)]):
+            assert T.command_line([*argv, "--no-progress"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"error: No space left on device in {out / 'checkpoints'}") and "\n" not in err
+            assert "no earlier cnn.pt exists" in err and "Traceback" not in err
+            assert not list(out.rglob("*.tmp"))
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [(r["model"], r["epoch"]) for r in rows] == [("cnn", 1.0)]  # one row, also after the resume
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 # -- run folders ---------------------------------------------------------------------------------

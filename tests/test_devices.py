@@ -264,3 +264,38 @@ def test_each_rank_resumes_its_own_random_streams(monkeypatch):
         assert torch.equal(torch.get_rng_state(), states[rank]["cpu"])
         assert torch.equal(cuda.states[rank], states[rank]["cuda"])
     assert not checkpoint.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh
+
+
+def test_on_cuda_adamw_and_sgd_take_their_fused_kernels_and_the_cpu_keeps_foreach():
+    """Checked on fake CUDA tensors (FakeTensorMode makes them without a GPU): one fused kernel per
+    step on a GPU; the CPU keeps the path its measurements and exact-resume tests were made on."""
+    from dataclasses import replace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vitattn.train import RECIPES, build_optimizer
+
+    def fused(model) -> dict[str, list]:
+        opts = {o: build_optimizer(model, replace(RECIPES["vit"], optimizer=o)) for o in ("adamw", "sgd", "muon")}
+        return {o: [x.defaults.get("fused") for x in getattr(opt, "optimizers", [opt])] for o, opt in opts.items()}
+
+    model = T.vitattn.create_model("vit_quick")
+    assert fused(model) == {"adamw": [None], "sgd": [None], "muon": [None, None]}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = fused(model.to("cuda"))
+    assert on_gpu == {"adamw": [True], "sgd": [True], "muon": [None, True]}  # Muon has no fused kernel
+
+
+def test_gpu_settings_are_set_and_can_be_turned_off(monkeypatch):
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    try:
+        runtime.configure_cuda()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.benchmark
+        runtime.configure_cuda(tf32=False, benchmark=False)
+        assert not (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+    cfg = T.parse_args(["--no-tf32", "--no-cudnn-benchmark"])
+    assert (cfg.tf32, cfg.cudnn_benchmark) == (False, False)

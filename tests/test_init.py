@@ -57,9 +57,12 @@ def test_to_2tuple_and_feature_take_indices():
         to_2tuple((1, 2, 3))
     assert feature_take_indices(6) == list(range(6))
     assert feature_take_indices(6, 2) == [4, 5]
-    assert feature_take_indices(6, [0, -1, -6]) == [0, 5, 0]
+    assert feature_take_indices(6, [0, -1, -5]) == [0, 5, 1]
     for bad in (0, 7, [6], [-7]):
         with pytest.raises(ValueError, match="out of range|expected 1..6"):
+            feature_take_indices(6, bad)
+    for bad, message in (([], "no layer indices given"), ([0, -6], "name a layer twice")):
+        with pytest.raises(ValueError, match=message):
             feature_take_indices(6, bad)
 
 

@@ -5,8 +5,10 @@ is dropped."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,20 +32,50 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message names it, and the file is left as it is."""
 
 
+LOW_SPACE = 1 << 20  # bytes free under which a failed write is put down to a full disk
+
+
+@contextlib.contextmanager
+def writing(path: Path, tmp: Path | None = None):
+    """Around a write of ``path`` (through ``tmp``): when it fails, the temp file is removed, and
+    a full disk (``ENOSPC``, or torch's zip writer failing with under ``LOW_SPACE`` bytes free)
+    raises a ``CheckpointError`` that says so, names the folder and says whether an earlier
+    ``path`` is kept."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        full = getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < LOW_SPACE)
+        if not full:
+            raise
+        kept = f"the earlier {path.name} is kept" if path.exists() else f"no earlier {path.name} exists"
+        raise CheckpointError(f"No space left on device in {path.parent} ({free or 0:,} bytes free) while writing "
+                              f"{path.name}; {kept}. Free some space, then --resume the run.") from e
+
+
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temp file, then rename: a crash never leaves half a checkpoint."""
+    """``torch.save`` to a temp file, then rename: a crash never leaves half a checkpoint, and a
+    failed write leaves no temp file (a full disk raises a ``CheckpointError`` saying so)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -120,13 +152,16 @@ def save_safetensors(model: nn.Module, path: Path) -> None:
     """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
     from safetensors.torch import save_file
 
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, path)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(path, tmp):
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+        os.replace(tmp, path)
 
 
 def append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
+    """One JSON line more (a cut line from a failed write is dropped by ``read_jsonl``)."""
+    with writing(Path(path)), open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 

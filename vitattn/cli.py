@@ -346,7 +346,9 @@ def run_cli(main: Callable[[Any], dict], cfg: Any, script: str, expected: tuple[
         if os.environ.get("VITATTN_TRACEBACK"):
             raise
         out = cfg.resume or cfg.out
-        where = f"; the last good checkpoint is kept: python {script} --resume {out}" if out else ""
+        saved = out and any(Path(out).glob("checkpoints/*.pt"))
+        where = (f"; the last good checkpoint is kept: python {script} --resume {out}" if saved else
+                 f"; no checkpoint was written yet (python {script} --resume {out} starts it again)" if out else "")
         print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
               file=sys.stderr)
         return 1

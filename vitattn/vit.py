@@ -135,7 +135,7 @@ class ViT(nn.Module):
         # A learned table fits one grid, so the input size is fixed unless resampled on the fly.
         self.pretrained_cfg = dict(input_size=(c.in_chans, *to_2tuple(c.img_size)), mean=(0.5, 0.5, 0.5),
                                    std=(0.5, 0.5, 0.5), num_classes=c.num_classes, interpolation="bicubic",
-                                   crop_pct=0.9, first_conv="patch_embed.proj", classifier="head",
+                                   crop_pct=0.9, pool_size=None, first_conv="patch_embed.proj", classifier="head",
                                    fixed_input_size=c.pos_embed == "learn" and not c.dynamic_img_size)
         self.num_prefix_tokens = 1 if c.class_token else 0
         self.dynamic_img_size = c.dynamic_img_size
