@@ -58,6 +58,7 @@ from vitattn.cli import (
     option,
     parse_config,
     preset_kwargs,
+    preview,
     resumed_config,
     run_cli,
     run_folder,
@@ -184,6 +185,7 @@ class Split:
     dataset: torch.utils.data.Dataset  # (image float (3, H, W) in [0, 1], target dict)
     coco: Any  # pycocotools.coco.COCO of the split's annotation file
     image_ids: list[int]
+    odd: dict[str, int]  # legal but odd: boxes clamped, boxes dropped, crowd regions, images without boxes
 
 
 class CocoTargets:
@@ -226,6 +228,93 @@ def augmentation(policy: str) -> list:
     return []
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_coco(ann: Path, images: Path) -> dict[str, int]:
+    """The whole split checked before the first step: the annotation file's types, keys and ids
+    (each image and annotation id once; every annotation's image and category known), every file
+    name inside the image folder, and every image's header (it opens, 8-bit samples, the size the
+    file states). Bad data raises a UsageError naming the file, the id and what is wrong. Returns
+    what is legal but odd, as torchvision's references treat it: boxes crossing the image's edge
+    (clamped to it), boxes empty once clamped (dropped), crowd regions, images without boxes."""
+    from PIL import Image, UnidentifiedImageError
+
+    def bad(what: str) -> UsageError:
+        return UsageError(f"{ann}: {what}")
+
+    try:
+        data = json.loads(ann.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{ann} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise bad(f"expected a JSON object with 'images', 'annotations' and 'categories', got {type(data).__name__}")
+    cats, sizes, root = set(), {}, images.resolve()
+    for c in data.get("categories") or []:
+        if not isinstance(c, dict) or isinstance(c.get("id"), bool) or not isinstance(c.get("id"), int):
+            raise bad(f"category {preview(c)}: needs an integer 'id'")
+        if c["id"] in cats:
+            raise bad(f"category id {c['id']} is listed twice")
+        cats.add(c["id"])
+    for im in data.get("images") or []:
+        if not isinstance(im, dict) or isinstance(im.get("id"), bool) or not isinstance(im.get("id"), int):
+            raise bad(f"image {preview(im)}: needs an integer 'id'")
+        name = im.get("file_name")
+        if not isinstance(name, str) or not name:
+            raise bad(f"image {im['id']}: needs a 'file_name' string, got {preview(name)}")
+        if im["id"] in sizes:
+            raise bad(f"image id {im['id']} is listed twice (file names {preview(sizes[im['id']][0])} and "
+                      f"{preview(name)}); each image needs its own id")
+        path = (images / name).resolve()
+        if not path.is_relative_to(root):
+            raise bad(f"image {im['id']}: file_name {preview(name)} points outside {images}")
+        if not path.is_file():
+            raise bad(f"image {im['id']}: {path.name} is not in {images}")
+        try:
+            with Image.open(path) as f:
+                mode, size = f.mode, f.size
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise bad(f"image {im['id']}: {name} is not an image that opens ({e})") from None
+        if mode.startswith(("I", "F")):  # 16- or 32-bit samples: reading them as RGB would clip to 255
+            raise bad(f"image {im['id']}: {name} has {mode} samples; expected 8-bit images (RGB, grey or palette)")
+        stated = (im.get("width"), im.get("height"))
+        if None not in stated and tuple(stated) != size:
+            raise bad(f"image {im['id']}: {name} is {size[0]}x{size[1]}, the file states {stated[0]}x{stated[1]}")
+        sizes[im["id"]] = (name, size)
+    counts = dict(clamped=0, dropped=0, crowd=0, images_without_boxes=0)
+    seen, boxed = set(), set()
+    for a in data.get("annotations") or []:
+        aid = a.get("id") if isinstance(a, dict) else None
+        if isinstance(aid, bool) or not isinstance(aid, int):
+            raise bad(f"annotation {preview(a)}: needs an integer 'id'")
+        if aid in seen:
+            raise bad(f"annotation id {aid} is listed twice")
+        seen.add(aid)
+        for key, known, what in (("image_id", sizes, "image"), ("category_id", cats, "category")):
+            if a.get(key) not in known or isinstance(a.get(key), bool):
+                raise bad(f"annotation {aid}: {key} {preview(a.get(key))} is not a listed {what} id")
+        box = a.get("bbox")
+        if not isinstance(box, list) or len(box) != 4 or not all(_number(v) for v in box):
+            raise bad(f"annotation {aid}: bbox must be 4 numbers [x, y, width, height], got {preview(box)}")
+        if a.get("iscrowd", 0) not in (0, 1):
+            raise bad(f"annotation {aid}: iscrowd must be 0 or 1, got {preview(a.get('iscrowd'))}")
+        if a.get("iscrowd", 0):
+            counts["crowd"] += 1
+            continue
+        w, h = sizes[a["image_id"]][1]
+        x0, y0, x1, y1 = box[0], box[1], box[0] + box[2], box[1] + box[3]
+        cx0, cy0, cx1, cy1 = max(x0, 0), max(y0, 0), min(x1, w), min(y1, h)
+        if (cx0, cy0, cx1, cy1) != (x0, y0, x1, y1):
+            counts["clamped"] += 1
+        if cx1 - cx0 < 1 or cy1 - cy0 < 1:
+            counts["dropped"] += 1
+        else:
+            boxed.add(a["image_id"])
+    counts["images_without_boxes"] = len(set(sizes) - boxed)
+    return counts
+
+
 def load_split(cfg: Config, split: str, train: bool) -> Split:
     """One split of the folder, checked: missing files, a file that is not COCO's format, missing
     images and an empty split are UsageErrors that name what was expected."""
@@ -240,6 +329,7 @@ def load_split(cfg: Config, split: str, train: bool) -> Split:
         if not path.exists():
             raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
                              f"instances_<split>.json and <split>/ holding its images)")
+    odd = check_coco(ann, images)
     try:
         with contextlib.redirect_stdout(None):  # pycocotools prints its progress
             ds = CocoDetection(str(images), str(ann))
@@ -260,11 +350,13 @@ def load_split(cfg: Config, split: str, train: bool) -> Split:
         raise UsageError(f"{ann}: annotations name categories {unknown[:5]} that 'categories' does not list")
     ids = list(ds.ids)
     if train:  # as torchvision's references: images without a usable box teach nothing to most detectors
-        ids = [i for i in ids if any(a["bbox"][2] >= 1 and a["bbox"][3] >= 1 and not a.get("iscrowd", 0)
-                                     for a in coco.imgToAnns[i])]
+        ids = [i for i in ids if any(usable(a, coco.imgs[i]) for a in coco.imgToAnns[i])]
     ids = ids[:cfg.limit_train if train else cfg.limit_val]
     if not ids:
         raise UsageError(f"{ann}: no {'annotated ' if train else ''}images in split {split!r}")
+    if not any(usable(a, coco.imgs[i]) for i in ids for a in coco.imgToAnns[i]):
+        raise UsageError(f"{ann}: no box in split {split!r} is usable once clamped to its image: nothing to "
+                         f"{'learn' if train else 'score'}")
     masks = cfg.detector == "maskrcnn"
     if masks and any("segmentation" not in a for i in ids for a in coco.imgToAnns[i]):
         raise UsageError(f"--detector maskrcnn learns masks: every annotation in {ann} needs a 'segmentation'")
@@ -273,13 +365,20 @@ def load_split(cfg: Config, split: str, train: bool) -> Split:
         raise UsageError(f"{len(missing)} image(s) named in {ann} are not in {images}, e.g. {missing[:3]}")
     steps = [CocoTargets({c: k + 1 for k, c in enumerate(cat_ids)}, masks), v2.ToImage(),
              *(augmentation(cfg.aug) if train else []), v2.ToDtype(torch.float32, scale=True)]
-    if train:
-        steps.append(v2.SanitizeBoundingBoxes())  # drops boxes that augmentation made empty
+    if train:  # boxes clamped to the image, then those left (or made by augmentation) empty dropped
+        steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes()]
     ds.transforms = v2.Compose(steps)
     keys = ("image_id", "boxes", "labels", "iscrowd") + (("masks",) if masks else ())
     wrapped = wrap_dataset_for_transforms_v2(ds, target_keys=keys)
     position = {image_id: k for k, image_id in enumerate(ds.ids)}
-    return Split(torch.utils.data.Subset(wrapped, [position[i] for i in ids]), coco, ids)
+    return Split(torch.utils.data.Subset(wrapped, [position[i] for i in ids]), coco, ids, odd)
+
+
+def usable(a: dict, image: dict) -> bool:
+    """A box that is no crowd region and keeps at least a pixel each way once clamped to its image."""
+    x, y, w, h = a["bbox"]
+    return (not a.get("iscrowd", 0) and min(x + w, image.get("width", x + w)) - max(x, 0) >= 1
+            and min(y + h, image.get("height", y + h)) - max(y, 0) >= 1)
 
 
 def collate(batch: list) -> tuple[list, list]:
@@ -464,6 +563,8 @@ def main(config: Config) -> dict:
             start_run_folder(out, cfg, folder)
         log(f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(train.image_ids)} "
             f"train / {len(val.image_ids)} val images, {len(category_ids) - 1} categories; device {dev}")
+        for name, split in ((cfg.train_split, train), (cfg.val_split, val)):
+            log(f"{name}: " + ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in split.odd.items()))
         if precision_warning(dev, cfg.autocast_dtype()):
             log(f"warning: {precision_warning(dev, cfg.autocast_dtype())}")
         status, signum, finished = "ok", None, state.epoch >= cfg.epochs
@@ -477,6 +578,7 @@ def main(config: Config) -> dict:
                         f"--resume {out}")
                     status, signum = "interrupted", stop.signum
                     break
+                save(ckpt, model, opt, scaler, state, dev, category_ids)  # before evaluating: it cannot cost the epoch
                 t0 = time.perf_counter()
                 ap = evaluate(model, val, cfg, dev, category_ids)
                 row = {"epoch": state.epoch + state.seen / len(train.dataset), "step": state.step,
@@ -484,7 +586,6 @@ def main(config: Config) -> dict:
                        "eval_s": time.perf_counter() - t0,
                        **{k: v for k, v in ap.items() if k != "per_class"}}
                 append_jsonl(out / "metrics.jsonl", row)
-                save(ckpt, model, opt, scaler, state, dev, category_ids)
                 log("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         summary = {"status": status, "signal": signum, "out": str(out), "config": asdict(cfg),
                    "environment": environment(dev), "state": asdict(state), "params": count_params(model),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +62,8 @@ def coco(tmp_path_factory) -> Path:
     boxes = json.loads((root / "annotations" / "instances_train.json").read_text())
     for a in boxes["annotations"]:
         a.pop("segmentation", None)
-    (root / "annotations" / "instances_boxes.json").write_text(json.dumps(boxes))  # boxes only, no images
-    (root / "boxes").mkdir()
+    (root / "annotations" / "instances_boxes.json").write_text(json.dumps(boxes))  # boxes only, no masks
+    shutil.copytree(root / "train", root / "boxes")
     return root
 
 
@@ -184,7 +185,7 @@ def test_missing_images_are_named_before_anything_is_written(td, coco, tmp_path,
     shutil.copytree(coco, broken)
     (broken / "val" / "im3.png").unlink()
     err = refused(td, capsys, ["--data-dir", str(broken), *SMALL, "--output", str(tmp_path / "o")])
-    assert "im3.png" in err and "are not in" in err
+    assert "image 103: im3.png is not in" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -201,3 +202,69 @@ def test_the_shapes_example_writes_a_coco_folder_and_runs_through_the_script(tmp
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert set(results) == {"vit", "resnet18"}
     assert all(-1 <= results[k]["final"]["map"] <= 1 for k in results)
+
+
+def _mutate(split: str, change):
+    def apply(root: Path) -> None:
+        path = root / "annotations" / f"instances_{split}.json"
+        data = json.loads(path.read_text())
+        change(data, root)
+        path.write_text(json.dumps(data))
+    return apply
+
+
+def _sixteen_bit(data, root) -> None:
+    from PIL import Image
+
+    pixels = torch.full((64, 64), 40000, dtype=torch.int32).numpy().astype("uint16")
+    Image.fromarray(pixels).save(root / "val" / "im2.png")
+
+
+@pytest.mark.parametrize("change, message", [
+    (_mutate("val", lambda d, r: (r / "val" / "im4.png").write_bytes(b"not an image")), "image 104: im4.png is not an "
+     "image that opens"),
+    (_mutate("val", lambda d, r: d["annotations"][0].update(bbox=["1", "2", "3", "4"])), "bbox must be 4 numbers"),
+    (_mutate("val", lambda d, r: d["annotations"][0].update(category_id="3")), "category_id '3' is not a listed"),
+    (_mutate("train", lambda d, r: d["annotations"][1].pop("bbox")), "annotation 2: bbox must be 4 numbers"),
+    (_mutate("train", lambda d, r: d["annotations"][1].update(bbox=[1, 2, 3])), "got [1, 2, 3]"),
+    (_mutate("train", lambda d, r: d["images"][2].pop("file_name")), "image 102: needs a 'file_name'"),
+    (_mutate("train", lambda d, r: d["images"][3].update(id=102)), "image id 102 is listed twice"),
+    (_mutate("train", lambda d, r: d["annotations"][0].update(image_id=999)), "image_id 999 is not a listed image"),
+    (_mutate("train", lambda d, r: d["images"][0].update(file_name="../../../etc/passwd")), "points outside"),
+    (_mutate("train", lambda d, r: d["images"][1].update(width=65)), "is 64x64, the file states 65x64"),
+    (_mutate("val", _sixteen_bit), "image 102: im2.png has I;16 samples; expected 8-bit images"),
+    (_mutate("train", lambda d, r: [a.update(bbox=[70, 70, 5, 5]) for a in d["annotations"]]),
+     "no annotated images in split 'train'"),
+    (_mutate("val", lambda d, r: [a.update(bbox=[-9, 0, 5, 5]) for a in d["annotations"]]), "nothing to score"),
+])
+def test_bad_data_anywhere_in_either_split_is_refused_before_the_first_step(td, coco, tmp_path, capsys, change,
+                                                                           message):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(coco, broken)
+    change(broken)
+    err = refused(td, capsys, ["--data-dir", str(broken), *SMALL, "--output", str(tmp_path / "o")])
+    assert message in err and not (tmp_path / "o").exists()
+
+
+def test_boxes_crossing_the_edge_are_clamped_and_counted(td, coco, tmp_path):
+    import shutil
+
+    root = tmp_path / "c"
+    shutil.copytree(coco, root)
+    _mutate("train", lambda d, r: (d["annotations"][0].update(bbox=[60, 60, 10, 10]),
+                                   d["annotations"][1].update(bbox=[64.5, 10, 5, 5])))(root)
+    counts = td.check_coco(root / "annotations" / "instances_train.json", root / "train")
+    assert counts == dict(clamped=2, dropped=1, crowd=1, images_without_boxes=1)
+
+
+def test_a_failing_evaluation_leaves_the_epoch_s_checkpoint(td, coco, tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the evaluation failed")
+
+    monkeypatch.setattr(td, "evaluate", broken)
+    out = tmp_path / "o"
+    assert td.cli(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert (out / "checkpoints" / "last.pt").is_file() and "the last good checkpoint is kept" in err
