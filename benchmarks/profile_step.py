@@ -19,8 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_vit import CASES, make_runner  # the sibling script (python puts its folder on sys.path)
 from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_vit import CASES, make_runner
 
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::convolution",
             "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",

@@ -38,3 +38,18 @@ def test_gpu_check_fails_a_step_that_misses_its_bound(tmp_path, monkeypatch, cap
                              str(tmp_path / "work"), "--out", str(tmp_path / "check.json")])
     out = capsys.readouterr().out
     assert status == 1 and "FAIL step:" in out and out.strip().endswith("gpu_check: FAIL step")
+
+
+def test_every_benchmark_imports_as_run_by_python_m():
+    """``python -m benchmarks.<name>`` imports the module inside the package: a sibling import
+    (``from bench_vit import ...``) works only when the script's folder is on the path."""
+    import importlib
+
+    names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+    assert "profile_step" in names and len(names) >= 10
+    for name in names:
+        module = importlib.import_module(f"benchmarks.{name}")
+        assert module.__doc__, f"benchmarks/{name}.py says what it measures in its docstring"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.profile_step", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]
