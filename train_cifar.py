@@ -253,6 +253,7 @@ class Run:
     running: torch.Tensor  # (loss sum, correct) of the steps since the loop last read them, on the device
     ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
     compiling: bool = False  # the next step compiles the model (--compile, first step of a session)
+    config: dict | None = None  # the run's options, saved with each checkpoint (check_resumed compares them)
 
     def progress(self) -> float:
         return train.run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
@@ -270,7 +271,7 @@ class Run:
             extra["scaler"] = self.scaler.state_dict()
         checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                 "state": asdict(self.st), "rng": rng, "family": self.family,
-                                "result": result or {}, **extra}, self.ckpt)
+                                "config": self.config, "result": result or {}, **extra}, self.ckpt)
 
 
 def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path,
@@ -297,7 +298,7 @@ def start_run(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: D
     return Run(family, model, net, opt, r, loader, st, out / "checkpoints" / f"{family}.pt",
                math.ceil(epochs * len(loader)) if epochs is not None else None,
                cfg.time_budget * 60 if cfg.time_budget else None, family == "cnn" and cfg.channels_last, dev,
-               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema, cfg.compile)
+               amp_dtype, scaler, torch.zeros(2, dtype=torch.float64, device=dev), ema, cfg.compile, asdict(cfg))
 
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
@@ -552,6 +553,8 @@ def run_all(cfg: Config, dd: runtime.Dist, dev: torch.device, out: Path, log, fo
         models = {fam: build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
         ckpts = {fam: checkpoint.resume_checkpoint(out / "checkpoints" / f"{fam}.pt", m, fam)
                  for fam, m in models.items()}
+        for fam, ck in ckpts.items():
+            check_resumed(cfg, ck, out / "checkpoints" / f"{fam}.pt")
         if dd.main and not cfg.resume:  # everything checked: now the run folder is written
             cli.start_run_folder(out, cfg, folder)
         if dd.world > 1:
@@ -591,6 +594,21 @@ def run_all(cfg: Config, dd: runtime.Dist, dev: torch.device, out: Path, log, fo
     finally:
         if dd.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# where and how a run executes and shows, not what it trains: a resume may move them (another machine)
+UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
+                       "channels_last", "eval_batch_size", "tta", "context_images", "tf32", "cudnn_benchmark")
+
+
+def check_resumed(cfg: Config, ck: dict | None, path: Path) -> None:
+    """``config.json`` must still say what the checkpoint was trained with (an earlier release's
+    preset name counts as today's)."""
+    def today(k: str, v: Any) -> Any:
+        return vitattn.registry.DEPRECATED.get(v, (v,))[0] if k in ("vit_preset", "cnn_preset") else v
+
+    if ck is not None:
+        cli.check_resumed_config(cfg, ck.get("config"), path, UNCHECKED_ON_RESUME, today)
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

@@ -55,6 +55,7 @@ from vitattn.cli import (
     UsageError,
     build_parser,
     check_fields,
+    check_resumed_config,
     option,
     parse_config,
     preset_kwargs,
@@ -64,6 +65,7 @@ from vitattn.cli import (
     run_folder,
     start_run_folder,
 )
+from vitattn.data import DataError, read_image
 from vitattn.detection import (
     DETECTORS,
     SCALE_FACTORS,
@@ -274,6 +276,8 @@ def check_coco(ann: Path, images: Path) -> dict[str, int]:
         try:
             with Image.open(path) as f:
                 mode, size = f.mode, f.size
+                if f.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientation: read_image turns it upright
+                    size = size[::-1]
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise bad(f"image {im['id']}: {name} is not an image that opens ({e})") from None
         if mode.startswith(("I", "F")):  # 16- or 32-bit samples: reading them as RGB would clip to 255
@@ -330,9 +334,14 @@ def load_split(cfg: Config, split: str, train: bool) -> Split:
             raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
                              f"instances_<split>.json and <split>/ holding its images)")
     odd = check_coco(ann, images)
+
+    class Coco(CocoDetection):
+        def _load_image(self, id: int):  # train_cifar.py's reader: EXIF orientation, any 8-bit mode to RGB
+            return read_image(Path(self.root) / self.coco.loadImgs(id)[0]["file_name"])
+
     try:
         with contextlib.redirect_stdout(None):  # pycocotools prints its progress
-            ds = CocoDetection(str(images), str(ann))
+            ds = Coco(str(images), str(ann))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{ann} is not valid JSON ({e})") from None
     except (AssertionError, KeyError, TypeError) as e:
@@ -439,6 +448,11 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
                                    pretrained_cfg_overlay=overlay, checkpoint_path=cfg.initial_checkpoint,
                                    **cfg.kwargs())
         patch = vit.patch_embed.patch_size[0]
+        grid = math.ceil(cfg.max_size / patch)  # the token grid's longest side at any image size
+        if cfg.window_size is not None and cfg.window_size >= grid:
+            raise UsageError(f"--window-size {cfg.window_size} covers the whole token grid (at most {grid}x{grid} "
+                             f"with --max-size {cfg.max_size} and patch {patch}): that is global attention at a "
+                             "higher cost; leave --window-size unset, or give one below " + str(grid))
         scales = [patch / s for s in cfg.strides]
         if not set(scales) <= set(SCALE_FACTORS):
             raise UsageError(f"--strides {list(cfg.strides)} with patch {patch}: ViTDet's pyramid makes strides "
@@ -526,10 +540,15 @@ def evaluate(model: nn.Module, val: Split, cfg: Config, dev: torch.device, categ
 # =============================================================================================
 
 
-def save(path: Path, model, opt, scaler, state: State, dev: torch.device, category_ids: list[int]) -> None:
+# where and how a run executes and shows, not what it trains: a resume may move them
+UNCHECKED_ON_RESUME = ("resume", "out", "device", "workers", "log_interval", "data_dir")
+
+
+def save(path: Path, model, opt, scaler, state: State, dev: torch.device, category_ids: list[int],
+         cfg: Config) -> None:
     save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
                  "state": asdict(state), "rng": [rng_states(dev)], "family": "detector",
-                 "category_ids": category_ids}, path)
+                 "category_ids": category_ids, "config": asdict(cfg)}, path)
 
 
 def main(config: Config) -> dict:
@@ -557,6 +576,7 @@ def main(config: Config) -> dict:
         state, ckpt = State(), out / "checkpoints" / "last.pt"
         ck = resume_checkpoint(ckpt, model, "detector")
         if ck is not None:
+            check_resumed_config(cfg, ck.get("config"), ckpt, UNCHECKED_ON_RESUME)
             restore(ck, model, opt, scaler, dev)
             state = State(**ck["state"])
         elif not cfg.resume:  # everything checked: now the run folder is written
@@ -573,12 +593,13 @@ def main(config: Config) -> dict:
                 try:
                     finished = train_epoch(model, opt, scaler, train, cfg, dev, state, stop, log)
                 except Interrupted:
-                    save(ckpt, model, opt, scaler, state, dev, category_ids)
+                    save(ckpt, model, opt, scaler, state, dev, category_ids, cfg)
                     log(f"interrupted: checkpoint saved; continue with: python examples/train_detection.py "
                         f"--resume {out}")
                     status, signum = "interrupted", stop.signum
                     break
-                save(ckpt, model, opt, scaler, state, dev, category_ids)  # before evaluating: it cannot cost the epoch
+                # before evaluating: a failing evaluation cannot cost the epoch
+                save(ckpt, model, opt, scaler, state, dev, category_ids, cfg)
                 t0 = time.perf_counter()
                 ap = evaluate(model, val, cfg, dev, category_ids)
                 row = {"epoch": state.epoch + state.seen / len(train.dataset), "step": state.step,
@@ -599,7 +620,7 @@ def main(config: Config) -> dict:
 def cli(argv: list[str] | None = None) -> int:
     p = build_parser(Config, __doc__.split("\n\n")[0])
     cfg = parse_config(p, Config, argv)
-    return run_cli(main, cfg, "examples/train_detection.py", (UsageError, CheckpointError))
+    return run_cli(main, cfg, "examples/train_detection.py", (UsageError, CheckpointError, DataError))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,18 @@ def test_a_failure_mid_run_is_one_line_with_the_way_to_resume(tmp_path, folder, 
     assert "Traceback" not in err
 
 
+def test_a_config_json_edited_after_its_checkpoint_is_refused_on_resume(tmp_path, folder, capsys):
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    path = Path(cfg.out) / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "batch_size": 6, "epochs": 2}))
+    before = {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()}
+    refused(capsys, ["--resume", cfg.out], "config.json no longer matches cnn.pt: batch_size is 6 there and 12 in "
+            "the checkpoint (and 1 more); restore config.json")
+    assert {p: p.read_bytes() for p in Path(cfg.out).rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_full_disk_is_named_leaves_no_temp_file_and_a_resume_writes_no_second_row(tmp_path, folder, capsys):
     disk = tmp_path / "disk"

@@ -469,6 +469,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     (Path(cfg.out) / "config.json").write_text(json.dumps({**saved, "epochs": 2, "lr": 1e30}))
     ck = torch.load(ck_path, weights_only=True)
     ck["state"]["done"] = False
+    ck["config"].update(epochs=2, lr=1e30)  # the checkpoint says the same (an edit of one alone is refused)
     save_atomic(ck, ck_path)
     good = ck_path.read_bytes()
     s = T.main(T.Config(resume=cfg.out, progress=False))

@@ -164,6 +164,7 @@ def refused(td, capsys, argv: list[str]) -> str:
     (["--data-dir", "{coco}", "--model-kwargs", "{{\"depht\": 2}}"], "depht"),
     (["--data-dir", "{coco}", "--output", "{coco}"], "is not a new or empty folder"),
     (["--data-dir", "{coco}", "--detector", "maskrcnn", "--train-split", "boxes"], "needs a 'segmentation'"),
+    (["--data-dir", "{coco}", "--window-size", "100"], "--window-size 100 covers the whole token grid"),
     ([], "--data-dir is needed"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(td, coco, tmp_path, capsys, args, message):
@@ -268,3 +269,37 @@ def test_a_failing_evaluation_leaves_the_epoch_s_checkpoint(td, coco, tmp_path, 
     assert td.cli(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 1
     err = capsys.readouterr().err
     assert (out / "checkpoints" / "last.pt").is_file() and "the last good checkpoint is kept" in err
+
+
+def test_both_scripts_read_images_alike_upright_by_exif_and_cmyk_as_rgb(td, coco, tmp_path):
+    """One reader (``vitattn.data.read_image``) for the CIFAR folders and the COCO folders."""
+    from PIL import Image
+
+    from vitattn.data import _decode_image, read_image
+
+    tall = Image.new("RGB", (40, 64), (200, 20, 20))  # stored 40 wide, 64 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": upright it is 64 wide, 40 high
+    tall.save(tmp_path / "rot.jpg", exif=exif.tobytes())
+    assert read_image(tmp_path / "rot.jpg").size == (64, 40)
+    assert tuple(_decode_image((tmp_path / "rot.jpg").read_bytes(), "rot.jpg").shape) == (3, 40, 64)
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg")
+    assert read_image(tmp_path / "cmyk.jpg").mode == "RGB"
+
+    root = tmp_path / "c"
+    shutil.copytree(coco, root)
+    shutil.copy(tmp_path / "rot.jpg", root / "val" / "rot.jpg")
+    _mutate("val", lambda d, r: d["images"][2].update(file_name="rot.jpg", width=64, height=40))(root)
+    cfg = td.Config(data_dir=str(root), epochs=1)
+    split = td.load_split(cfg, "val", False)  # the stated size is the upright one: accepted
+    image, _ = split.dataset[split.image_ids.index(102)]
+    assert tuple(image.shape) == (3, 40, 64)
+
+
+def test_a_config_json_edited_since_its_checkpoint_is_refused_on_resume(td, coco, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert td.cli(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "epochs": 3}))
+    err = refused(td, capsys, ["--resume", str(out)])
+    assert "config.json no longer matches last.pt: epochs is 3 there and 1 in the checkpoint" in err

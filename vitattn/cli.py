@@ -265,6 +265,30 @@ def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | N
         raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
 
 
+def check_resumed_config(cfg: Any, saved: dict | None, checkpoint: Path, unchecked: tuple[str, ...] = (),
+                         normalize: Callable[[str, Any], Any] = lambda k, v: v) -> None:
+    """Raise a UsageError when a resumed run's config (its folder's ``config.json``) differs from
+    the options its checkpoint was saved with, ``saved``, in a field not in ``unchecked``: an
+    edited batch size or number of epochs would otherwise train another run under the old name.
+    ``normalize(field, value)`` maps equivalent values to one (a checkpoint without options
+    passes)."""
+    if not saved:
+        return
+    now = dataclasses.asdict(cfg)
+
+    def same(k: str) -> bool:
+        a, b = normalize(k, now[k]), normalize(k, saved[k])
+        return a == b or (isinstance(a, tuple) and list(a) == b)
+
+    differ = [k for k in now if k not in unchecked and k in saved and not same(k)]
+    if differ:
+        k = differ[0]
+        raise UsageError(f"--resume {cfg.resume}: config.json no longer matches {Path(checkpoint).name}: {k} is "
+                         f"{preview(now[k])} there and {preview(saved[k])} in the checkpoint"
+                         + (f" (and {len(differ) - 1} more)" if len(differ) > 1 else "")
+                         + "; restore config.json, or start a new run")
+
+
 def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
     """The run folder: ``out`` (default ``runs/<prefix><timestamp>``), which must be new or empty
     unless resuming, and creatable. Nothing is created here."""

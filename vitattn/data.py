@@ -79,21 +79,30 @@ class ImageData:
 # ---------------------------------------------------------------------------------------------
 # Decoding the three layouts
 # ---------------------------------------------------------------------------------------------
-def _decode_image(data: bytes, name: str) -> torch.Tensor:
-    """Encoded bytes -> ``(3, H, W)`` uint8; a file that will not decode raises naming it."""
-    from PIL import Image, UnidentifiedImageError
+def read_image(source: str | os.PathLike | io.BytesIO, name: str | None = None):
+    """One image as an 8-bit RGB ``PIL.Image``, the way both training scripts read images: turned
+    upright by its EXIF orientation, palette, grey, CMYK and alpha converted to RGB; 16- or
+    32-bit samples, which converting would clip to 255, refused. A file that will not decode, or
+    a decompression bomb, raises a ``DataError`` naming it (``name``, or the path)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
+    name = name or str(source)
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.mode.startswith(("I", "F")):  # 16- or 32-bit samples: converting would clip them to 255
+        with Image.open(source) as im:
+            if im.mode.startswith(("I", "F")):
                 raise DataError(f"image {name} has {im.mode} samples; expected 8-bit images (RGB, grey or palette)")
-            im = im.convert("RGB")
-            w, h = im.size
-            return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+            return ImageOps.exif_transpose(im).convert("RGB")
     except Image.DecompressionBombError as e:
         raise DataError(f"image {name} is refused: {e}") from e
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise DataError(f"corrupt or unreadable image {name}: {e}") from e
+
+
+def _decode_image(data: bytes, name: str) -> torch.Tensor:
+    """Encoded bytes -> ``(3, H, W)`` uint8 (``read_image``)."""
+    im = read_image(io.BytesIO(data), name)
+    w, h = im.size
+    return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
 
 
 def _stack(images: list[torch.Tensor], names: list[str], what: str) -> torch.Tensor:
