@@ -43,3 +43,22 @@ def test_every_third_party_import_is_declared():
     third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "vitattn"}
     missing = {DISTRIBUTIONS.get(m, m).lower() for m in third_party} - declared
     assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"
+
+
+def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
+    import subprocess
+
+    code = ("import sys, vitattn\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vitattn.')))\n"
+            "vitattn.train.RECIPES, vitattn.detection.ViTDetBackbone\n"
+            "from vitattn import report\n"
+            "print('train' in dir(vitattn) or 'vitattn.train' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded, on_use = out.stdout.splitlines()
+    models = {"attention", "block", "bof", "cnn", "datasets", "features", "helpers", "init", "patch_embed", "pos_embed",
+              "registry", "scores", "timm_compat", "vit", "window"}
+    assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, detection
+    assert on_use == "True"
+    with pytest.raises(AttributeError, match="has no attribute 'trian'"):
+        vitattn.trian  # noqa: B018

@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel, of the training images in [0, 1]
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+from .datasets import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 CACHE_VERSION = 1  # bump when the cache layout changes
 
