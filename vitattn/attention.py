@@ -54,9 +54,8 @@ for _leaf in ("rearrange", "rotate_qk", "fused_attention", "check_tokens", "wind
 
 
 # Training in bf16 on a CPU, short sequences: the flash kernel's bf16 backward runs at about fp32's
-# speed, while the math kernel's products run at the native bf16 rate (2x the step of the CIFAR ViT
-# on an AVX512-BF16 CPU); from about 120 keys on, flash is faster again (docs/performance.md).
-# 0 keeps the flash kernel everywhere.
+# speed, while the math kernel's products run at the native bf16 rate; from about 120 keys on, flash
+# is faster again (measured in docs/performance.md). 0 keeps the flash kernel everywhere.
 CPU_BF16_MATH_MAX_KEYS = 100
 
 

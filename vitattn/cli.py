@@ -24,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-class UsageError(ValueError):
-    """A bad option or a run folder that cannot be used: exit status 2, nothing written."""
+from .checkpoint import hold, write_text_atomic
+from .errors import Signalled, UsageError  # noqa: F401  (the scripts take them from here with the rest)
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> Any:
@@ -305,8 +304,6 @@ def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
 def start_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> None:
     """Create the run folder checked by :func:`run_folder`, hold it for the run's life (its lock,
     entered on ``stack``) and write ``config.json``; called once everything else is checked."""
-    from .checkpoint import hold, write_text_atomic  # checkpoint -> runtime -> cli: imported when used
-
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -334,13 +331,6 @@ def progress_bar(desc: str, total_steps: int | None, step: int, budget_s: float 
                     bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
     return tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=None)
 
-
-class Signalled(KeyboardInterrupt):
-    """A stop signal where no checkpoint can be saved first (a second signal, or one before training)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _stop_before_training(signum, frame):

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .train import Recipe
 
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
@@ -187,10 +184,12 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and name.startswith("blocks.")
 
 
-def build_optimizer(model: nn.Module, r: Recipe) -> torch.optim.Optimizer | OptimizerChain:
+def build_optimizer(model: nn.Module, r: Any) -> torch.optim.Optimizer | OptimizerChain:
     """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
     0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
-    and AdamW on the rest."""
+    and AdamW on the rest. ``r`` holds the recipe's ``optimizer``, ``lr``, ``weight_decay``,
+    ``momentum``, ``beta2`` and ``bias_lr_scale`` (a ``vitattn.train.Recipe``, read by name: this
+    module imports nothing of the training half)."""
     if r.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {r.optimizer!r}")
     # CUDA: one fused kernel for all parameters (and a GradScaler that need not read found_inf on the

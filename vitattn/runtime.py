@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cli import Signalled, UsageError
+from .errors import Signalled, UsageError
 
 
 @dataclass
