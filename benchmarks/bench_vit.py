@@ -16,7 +16,7 @@ and its share of a fp32 matmul peak measured in the same run, and the peak memor
 
 Cases: (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
 (d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built
-from ``vitattn.train``'s and ``vitattn.data``'s pieces, see ``case_d``). ``--ablation`` adds
+from ``vitattn.training``'s recipes, optimisers and data pieces, see ``case_d``). ``--ablation`` adds
 vitattn with one speed choice undone (the explicit attention path; the full last block instead of
 the class-token shortcut), to show what each buys.
 
@@ -294,12 +294,13 @@ def case_d(args, device: torch.device) -> list[dict]:
     normalisation, forward, label-smoothed cross-entropy, backward, gradient clipping, AdamW with
     the ViT recipe) against the model-only step on a ready float batch, interleaved, vitattn only.
 
-    Uses the pieces ``train_cifar.py`` is built from (``vitattn.train``'s ``RECIPES`` and
-    ``build_optimizer``, ``vitattn.data``'s ``BatchLoader``, ``Augment`` and ``Normalize``); the
+    Uses the pieces ``train_cifar.py`` is built from (``vitattn.training.recipes.RECIPES`` and
+    ``optim.create_optimizer``, ``vitattn.training.data``'s ``BatchLoader``, ``Augment`` and ``Normalize``); the
     images are random uint8 (augmentation cost does not depend on content)."""
     import vitattn
-    from vitattn.data import Augment, BatchLoader, Normalize
-    from vitattn.train import RECIPES, build_optimizer
+    from vitattn.training.data import Augment, BatchLoader, Normalize
+    from vitattn.training.optim import create_optimizer
+    from vitattn.training.recipes import RECIPES
 
     preset = args.pipeline_preset
     r = RECIPES["vit"]
@@ -314,7 +315,7 @@ def case_d(args, device: torch.device) -> list[dict]:
     def make(full: bool) -> Runner:
         torch.manual_seed(0)
         model = vitattn.create_model(preset, num_classes=10).to(device).train()
-        opt = build_optimizer(model, r)
+        opt = create_optimizer(model, **r.optimizer_kwargs())
         fwd = torch.compile(model) if args.compile else model
         x_ready = norm(images[:batch].to(device))
         y_ready = labels[:batch].to(device)

@@ -14,8 +14,9 @@ Steps (``--steps``), each one line ``PASS|FAIL|SKIP name: measured vs bound``; t
    and each low precision within ``PRECISION_GAP`` (2 points; the two 10-epoch ViT seeds differ by
    0.1, and a 3-epoch run varies more, by how much no GPU run has measured yet) of fp32's
    accuracy for the same model.
-2. ``resume``: the CNN for 2 epochs, once straight through and once stopped by Ctrl-C at step 5
-   and resumed, with deterministic kernels (on for this step alone). Pass: metrics lines and final
+2. ``resume``: the CNN for 2 epochs, once straight through and once stopped by a real SIGINT at
+   step 5 (exit 130) and resumed with ``--resume``, with deterministic kernels (on for this step
+   alone). Pass: metrics lines and final
    weights bit-equal.
 3. ``compile``: the ViT with ``--compile`` in the first dtype. Pass: its training images/s (compile
    time excluded, reported apart) at least ``COMPILE_SPEED`` (0.95, the noise of one short run)
@@ -23,7 +24,7 @@ Steps (``--steps``), each one line ``PASS|FAIL|SKIP name: measured vs bound``; t
 4. ``torchrun``: two processes with ``--device cuda``. With two GPUs or more: exit 0 and the
    ranks' final weights equal (``ranks_agree`` in the summary). With one GPU: two ranks cannot
    each own a GPU, so the check is the refusal: the second rank's one line naming the GPU count.
-5. ``step``: the main job's own step of its CIFAR-10 ViT (``train_cifar.train_step``: Muon,
+5. ``step``: the main job's own step of its CIFAR-10 ViT (``vitattn.training.loop.train_step``: Muon,
    augmentation, normalisation, label smoothing, EMA) in the first dtype, interleaved with it on
    timm's ``VisionTransformer`` of the same shape and weights. Pass: vitattn's images/s at least
    ``TIMM_SPEED`` (0.8) of timm's.
@@ -40,7 +41,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,8 +50,6 @@ from pathlib import Path
 
 import torch
 
-import train_cifar as T
-
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"cifar10": {"vit": 0.60, "cnn": 0.75}, "long-range": {"vit": 0.60, "cnn": 0.95}}
 PRECISION_GAP = 0.02
@@ -59,18 +57,53 @@ COMPILE_SPEED = 0.95
 TIMM_SPEED = 0.8
 
 
-def run_config(args, out: Path, **kw) -> T.Config:
-    data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range")
+# train_cifar.py run as a program; a Ctrl-C at a given training step (the nth cross-entropy), and
+# deterministic kernels, when the environment asks for them
+PRELUDE = """
+import os, runpy, signal, sys
+import torch
+import torch.nn.functional as F
+if os.environ.get("GPU_CHECK_DETERMINISTIC"):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+at, calls, cross_entropy = int(os.environ.get("GPU_CHECK_INTERRUPT_AT", 0)), [0], F.cross_entropy
+def counted(*a, **k):
+    calls[0] += 1
+    if calls[0] == at:
+        signal.raise_signal(signal.SIGINT)
+    return cross_entropy(*a, **k)
+F.cross_entropy = counted
+sys.argv = ["train_cifar.py", *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def data_flags(args) -> list[str]:
+    data = [f"--data-dir={args.data_dir}"] if args.data_dir else ["--dataset=long-range"]
     if args.quick:
-        data |= dict(limit_train=256, limit_test=128) if args.data_dir else dict(long_range_train=256,
-                                                                               long_range_test=128)
-        kw = {**dict(epochs=1, batch_size=64, context_images=8), **kw}
-    return T.Config(**{**data, "device": args.device, "out": str(out), "progress": False, "plots": False,
-                       "epochs": args.epochs, **kw})
+        data += ["--limit-train=256", "--limit-test=128"] if args.data_dir else ["--long-range-train=256",
+                                                                                 "--long-range-test=128"]
+    return data
 
 
-def precision(dtype: str) -> dict:
-    return dict(amp=False) if dtype == "float32" else dict(amp=True, amp_dtype=dtype)
+def train_cifar(args, out: Path, *flags: str, interrupt_at: int = 0, deterministic: bool = False,
+                check: bool = True) -> dict:
+    """``python train_cifar.py`` with the check's data and ``flags``; returns its summary.json and
+    its exit status (``returncode``)."""
+    quick = ["--epochs=1", "--batch-size=64", "--context-images=8"] if args.quick else [f"--epochs={args.epochs}"]
+    argv = [*data_flags(args), *quick, f"--device={args.device}", f"--out={out}", "--no-progress", "--no-plots",
+            *flags]
+    env = {**os.environ, "GPU_CHECK_INTERRUPT_AT": str(interrupt_at)}
+    if deterministic:  # cuBLAS needs a fixed workspace to be deterministic
+        env |= {"GPU_CHECK_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    p = subprocess.run([sys.executable, "-c", PRELUDE, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"train_cifar.py {' '.join(argv)} exited {p.returncode}: {(p.stdout + p.stderr)[-2000:]}")
+    path = out / "summary.json"
+    return {**(json.loads(path.read_text()) if path.exists() else {}), "returncode": p.returncode}
+
+
+def precision(dtype: str) -> list[str]:
+    return [] if dtype == "float32" else ["--amp", f"--amp-dtype={dtype}"]
 
 
 def verdict(ok: bool | None, measured: str, bound: str) -> dict:
@@ -80,7 +113,7 @@ def verdict(ok: bool | None, measured: str, bound: str) -> dict:
 def fresh(args, work: Path, report: dict) -> dict:
     runs = {}
     for dtype in args.dtypes:
-        s = T.main(run_config(args, work / f"fresh_{dtype}", **precision(dtype)))
+        s = train_cifar(args, work / f"fresh_{dtype}", *precision(dtype))
         runs[dtype] = {fam: {k: r.get(k) for k in ("final_acc", "epochs", "images_per_s", "precision")}
                        for fam, r in s["models"].items()}
     report["fresh_runs"] = runs
@@ -99,45 +132,34 @@ def fresh(args, work: Path, report: dict) -> dict:
 
 
 def resume(args, work: Path, report: dict) -> dict:
-    saved = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
-    # for this step alone (the others time what users run); an op without a deterministic kernel warns
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        kw = dict(model="cnn", epochs=2, cudnn_benchmark=False, **precision(args.dtypes[0]))
-        ref = T.main(run_config(args, work / "uninterrupted", **kw))
-        calls = {"n": 0}
-        cross_entropy = T.F.cross_entropy
+    from safetensors.torch import load_file
 
-        def interrupt_mid_run(*a, **k):  # a Ctrl-C at the 5th training step
-            calls["n"] += 1
-            if calls["n"] == 5:
-                signal.raise_signal(signal.SIGINT)
-            return cross_entropy(*a, **k)
-
-        T.F.cross_entropy = interrupt_mid_run
-        try:
-            cfg = run_config(args, work / "interrupted", **kw)
-            first = T.main(cfg)["status"]
-        finally:
-            T.F.cross_entropy = cross_entropy
-        resumed = T.main(T.Config(resume=cfg.out, progress=False))
-    finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.backends.cudnn.benchmark = saved[1]
-    lines = [(Path(d) / "metrics.jsonl").read_text().splitlines() for d in (ref["out"], cfg.out)]
+    # deterministic kernels for this step alone (the others time what users run)
+    flags = ["--model=cnn", "--epochs=2", "--no-cudnn-benchmark", *precision(args.dtypes[0])]
+    ref = work / "uninterrupted"
+    train_cifar(args, ref, *flags, deterministic=True)
+    out = work / "interrupted"
+    first = train_cifar(args, out, *flags, interrupt_at=5, deterministic=True, check=False)["returncode"]
+    resumed = subprocess.run([sys.executable, "-c", PRELUDE, f"--resume={out}", "--no-progress"], capture_output=True,
+                             text=True, cwd=ROOT,
+                             env={**os.environ, "GPU_CHECK_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     keys = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc")
-    scores = [[tuple(json.loads(s)[k] for k in keys) for s in ls] for ls in lines]
-    a, b = ref["modules"]["cnn"].state_dict(), resumed["modules"]["cnn"].state_dict()
-    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
-    report["resume"] = dict(first_status=first, resumed_status=resumed["status"], uninterrupted=scores[0],
+    scores = [[tuple(json.loads(s)[k] for k in keys) for s in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (ref, out)]
+    weights = [d / "checkpoints" / "cnn.safetensors" for d in (ref, out)]
+    diff = float("inf")
+    if all(w.exists() for w in weights):
+        a, b = (load_file(str(w)) for w in weights)
+        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+    report["resume"] = dict(first_exit=first, resumed_exit=resumed.returncode, uninterrupted=scores[0],
                             resumed=scores[1], max_weight_diff=diff)
-    ok = first == "interrupted" and resumed["status"] == "ok" and scores[0] == scores[1] and diff == 0.0
-    return verdict(ok, f"interrupted -> {resumed['status']}, metrics equal {scores[0] == scores[1]}, largest weight "
-                       f"difference {diff:.3g}", "bit-equal metrics and weights")
+    ok = first == 130 and resumed.returncode == 0 and scores[0] == scores[1] and diff == 0.0
+    return verdict(ok, f"exit {first} then {resumed.returncode}, metrics equal {scores[0] == scores[1]}, largest "
+                       f"weight difference {diff:.3g}", "Ctrl-C exits 130; bit-equal metrics and weights")
 
 
 def compiled(args, work: Path, report: dict) -> dict:
-    s = T.main(run_config(args, work / "compiled", model="vit", compile=True, **precision(args.dtypes[0])))
+    s = train_cifar(args, work / "compiled", "--model=vit", "--compile", *precision(args.dtypes[0]))
     r = s["models"]["vit"]
     eager = report.get("fresh_runs", {}).get(args.dtypes[0], {}).get("vit")
     report["compile"] = dict(images_per_s=r["images_per_s"], compile_seconds=r["compile_seconds"],
@@ -152,10 +174,7 @@ def compiled(args, work: Path, report: dict) -> dict:
 
 def torchrun(args, work: Path, report: dict) -> dict:
     out_dir = work / "torchrun"
-    data = [f"--data-dir={args.data_dir}"] if args.data_dir else ["--dataset=long-range"]
-    if args.quick:
-        data += ["--limit-train=256", "--limit-test=128"] if args.data_dir else ["--long-range-train=256",
-                                                                                 "--long-range-test=128"]
+    data = data_flags(args)
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     device = "cpu" if args.device == "cpu" else "cuda"  # each rank its own GPU
     flags = [] if args.dtypes[0] == "float32" else ["--amp", f"--amp-dtype={args.dtypes[0]}"]
@@ -176,35 +195,40 @@ def torchrun(args, work: Path, report: dict) -> dict:
 
 
 def step(args, work: Path, report: dict) -> dict:
-    from vitattn import runtime, timm_compat
+    from vitattn import timm_compat
+    from vitattn.training import classify, loop, runtime
+    from vitattn.training.recipes import RECIPES
 
     dev = runtime.pick_device(args.device)
     # the CIFAR-10 ViT and its recipe whatever the data (the long-range ViT has no timm twin)
-    recipe = {k: getattr(T.RECIPES["vit"], k) for k in ("optimizer", "batch_size", "lr", "translate",
+    recipe = {k: getattr(RECIPES["vit"], k) for k in ("optimizer", "batch_size", "lr", "translate",
                                                          "label_smoothing", "grad_clip")}
     runs = {}
     for lib in ("vitattn", "timm"):
-        cfg = run_config(args, work / f"step_{lib}", model="vit", vit_preset="vit_cifar10", model_ema_decay=0.999,
-                         **{**recipe, **precision(args.dtypes[0])})
-        ds = T.load_dataset(cfg, dev)
-        model = T.build_model("vit", cfg, ds, dev, 1)
+        data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range")
+        if args.quick:
+            data |= dict(limit_train=256, limit_test=128)
+        cfg = classify.Config(**data, model="vit", vit_preset="vit_cifar10", model_ema_decay=0.999, device=args.device,
+                              progress=False, **{**recipe, **({"batch_size": 64} if args.quick else {})},
+                              amp=args.dtypes[0] != "float32", amp_dtype=args.dtypes[0].replace("float32", "bfloat16"))
+        ds = classify.load_dataset(cfg, dev)
+        model = classify.build_model("vit", cfg, ds, dev)
         if lib == "timm":
             model = timm_compat.to_timm(model).to(dev)
-        runs[lib] = (T.start_run("vit", model, None, cfg, ds, work / lib, dev, runtime.Dist()), ds)
+        runs[lib] = classify.start_run("vit", model, cfg, ds, dev, runtime.Dist(), work / lib / "vit.pt")
     times: dict[str, list[float]] = {lib: [] for lib in runs}
     steps = 2 if args.quick else 20
     for rep in range((2 if args.quick else 5) + 1):  # interleaved; the first round warms up
         for lib in (("vitattn", "timm") if rep % 2 else ("timm", "vitattn")):
-            run, ds = runs[lib]
-            batches = run.loader.epoch(rep)
+            run = runs[lib]
+            batches = run.task.batches(rep, 0)
             t = time.perf_counter()
             for _ in range(steps):
-                xb, yb = next(batches)
-                T.train_step(run, xb, yb, ds.norm)
+                loop.train_step(run, next(batches))
             run.running.tolist()  # waits for the GPU
             if rep:
                 times[lib].append((time.perf_counter() - t) / steps)
-    batch = runs["vitattn"][0].loader.batch_size
+    batch = runs["vitattn"].task.batch_size
     speed = {lib: batch / statistics.median(ts) for lib, ts in times.items()}
     report["step"] = dict(batch=batch, images_per_s=speed, step_seconds=times, precision=args.dtypes[0])
     ratio = speed["vitattn"] / speed["timm"]
@@ -229,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/gpu_check", help="folder for the runs (emptied first)")
     p.add_argument("--out", default="gpu_check.json")
     args = p.parse_args(argv)
+    from vitattn.training import runtime
+
     print(f"gpu_check on {args.device}: {', '.join(args.steps)}; each step PASS or FAIL against the bound in "
           "benchmarks/gpu_check.py's docstring", flush=True)
     work = Path(args.work)
@@ -236,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work)
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        "cpu" if args.device == "auto" else args.device)
-    report = {"environment": T.runtime.environment(dev), "args": vars(args), "verdicts": {}}
+    report = {"environment": runtime.environment(dev), "args": vars(args), "verdicts": {}}
     for name in args.steps:
         t = time.perf_counter()
         try:
@@ -254,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the resume check
     with contextlib.suppress(KeyboardInterrupt):
         sys.exit(main())
     sys.exit(130)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vitattn.report import pyplot, save_figure
+from vitattn.training.report import pyplot, save_figure
 
 
 def describe(model: dict, config: dict) -> tuple[str, int]:

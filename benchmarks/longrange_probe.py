@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 import vitattn
-from vitattn.data import Normalize, channel_stats
-from vitattn.longrange import BACKGROUNDS, make_long_range_specs, render_long_range
-from vitattn.train import evaluate, get_lr, param_groups
+from vitattn.training.classify import evaluate
+from vitattn.training.data import Normalize, channel_stats
+from vitattn.training.longrange import BACKGROUNDS, make_long_range_specs, render_long_range
+from vitattn.training.optim import param_groups
+from vitattn.training.schedule import get_lr
 
 
 def scenes(n: int, seed: int, task: str, background: str, target: str, cue: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 import vitattn
-from vitattn.data import Normalize, channel_stats
-from vitattn.longrange import ATTRIBUTES, BACKGROUNDS, make_long_range
+from vitattn.training.data import Normalize, channel_stats
+from vitattn.training.longrange import ATTRIBUTES, BACKGROUNDS, make_long_range
 
 
 def gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> torch.Tensor:

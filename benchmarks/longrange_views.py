@@ -1,6 +1,6 @@
 """What a part of a long-range scene alone tells about its label, per task and distance.
 
-For each view in ``vitattn.longrange.VIEWS`` the label is predicted by the majority label of
+For each view in ``vitattn.training.longrange.VIEWS`` the label is predicted by the majority label of
 400,000 generated training scenes that share the view's value, and scored on 100,000 held-out
 ones (``view_accuracy``): a lower bound on what a model that sees only that much can reach.
 No images are rendered, so it takes seconds.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from vitattn.longrange import (
+from vitattn.training.longrange import (
     ATTRIBUTES,
     DISTANCE_EDGES,
     VIEWS,

@@ -2,7 +2,7 @@
 
 One step is forward, cross-entropy, backward and the optimiser's step, on random 32x32 images;
 the optimisers are the recipe's AdamW, the Muon chain with ``torch.optim.Muon`` (Newton-Schulz in
-bfloat16) and the chain with ``vitattn.train.Muon`` (the same steps, Newton-Schulz in fp32 on a
+bfloat16) and the chain with ``vitattn.training.optim.Muon`` (the same steps, Newton-Schulz in fp32 on a
 CPU). Every round visits every optimiser, in rotating order; the table gives medians. Also times
 the Newton-Schulz iteration alone on the model's matrices, in both dtypes.
 
@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 
 import vitattn
-from vitattn.train import RECIPES, OptimizerChain, build_optimizer, orthogonalize
+from vitattn.training.optim import OptimizerChain, create_optimizer, orthogonalize
+from vitattn.training.recipes import RECIPES
 
 
 def make_step(model_name: str, optimizer: str, x: torch.Tensor, y: torch.Tensor):
     torch.manual_seed(0)
     model = vitattn.create_model(model_name)
-    opt = build_optimizer(model, replace(RECIPES["vit"], optimizer="adamw" if optimizer == "adamw" else "muon"))
+    recipe = replace(RECIPES["vit"], optimizer="adamw" if optimizer == "adamw" else "muon")
+    opt = create_optimizer(model, **recipe.optimizer_kwargs())
     if optimizer == "muon_torch":  # the chain's first optimiser swapped for torch's own
         ours, adamw = opt.optimizers
         opt = OptimizerChain(torch.optim.Muon(ours.param_groups[0]["params"], **ours.defaults), adamw)

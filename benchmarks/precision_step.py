@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import train_cifar as T
-from vitattn.train import Dist, native_bf16
+from vitattn.training import classify, loop, runtime
+from vitattn.training.runtime import Dist, native_bf16
 
 
 def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512), reps: int = 5) -> float:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(args.device)
     data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
                                                                     long_range_test=64)
-    result = {"environment": T.runtime.environment(dev), "native_bf16": native_bf16(dev),
+    result = {"environment": runtime.environment(dev), "native_bf16": native_bf16(dev),
               "command": " ".join(["python -m benchmarks.precision_step", *sys.argv[1:]]),
               "gemm_gflops": {d: gemm_gflops(getattr(torch, d), dev) for d in args.dtypes}, "models": {}}
     print(f"native bf16: {result['native_bf16']}; 8192x512 @ 512x512 GFLOP/s: "
@@ -60,23 +60,23 @@ def main(argv: list[str] | None = None) -> dict:
         runs = {}
         for d in args.dtypes:
             amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
-            cfg = T.Config(**data, model=fam, device=args.device, out=str(out / d), progress=False, **amp)
-            ds = T.load_dataset(cfg, dev)
-            run = T.start_run(fam, T.build_model(fam, cfg, ds, dev, 1), None, cfg, ds, out / d, dev, Dist())
-            runs[d] = (run, ds, run.loader.epoch(0))
+            cfg = classify.Config(**data, model=fam, device=args.device, out=str(out / d), progress=False, **amp)
+            ds = classify.load_dataset(cfg, dev)
+            model = classify.build_model(fam, cfg, ds, dev)
+            run = classify.start_run(fam, model, cfg, ds, dev, Dist(), out / d / f"{fam}.pt")
+            runs[d] = (run, run.task.batches(0, 0))
         times: dict[str, list[float]] = {d: [] for d in args.dtypes}
         for rep in range(args.repeats + 1):  # the first round warms up
             for i in range(len(args.dtypes)):
                 d = args.dtypes[(i + rep) % len(args.dtypes)]
-                run, ds, batches = runs[d]
+                run, batches = runs[d]
                 t = time.perf_counter()
                 for _ in range(args.steps):
-                    xb, yb = next(batches)
-                    T.train_step(run, xb, yb, ds.norm)
+                    loop.train_step(run, next(batches))
                 run.running.tolist()  # waits for a GPU
                 if rep:
                     times[d].append((time.perf_counter() - t) / args.steps)
-        batch = runs[args.dtypes[0]][0].loader.batch_size
+        batch = runs[args.dtypes[0]][0].task.batch_size
         rows = {d: {"img_per_s": batch / statistics.median(ts), "step_s": ts} for d, ts in times.items()}
         for d in rows:
             rows[d]["vs_fp32"] = rows[d]["img_per_s"] / rows["float32"]["img_per_s"] if "float32" in rows else None

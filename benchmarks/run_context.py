@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-import train_cifar as T
-from vitattn import report
+from vitattn.training import classify, report
+from vitattn.training.errors import DataError, UsageError
 
 
 def main() -> None:
@@ -29,23 +29,23 @@ def main() -> None:
     if not (a.run / "config.json").is_file():
         sys.exit(f"error: {a.run} has no config.json; expected a run folder written by train_cifar.py")
     try:
-        cfg = T.Config(**{**json.loads((a.run / "config.json").read_text()), "resume": None})
+        cfg = classify.Config(**{**json.loads((a.run / "config.json").read_text()), "resume": None})
         weights = {fam: a.run / "checkpoints" / f"{fam}.safetensors" for fam in cfg.models()}
         missing = [str(w) for w in weights.values() if not w.is_file()]
         if missing:
-            raise T.UsageError(f"{a.run}: expected the final weights {', '.join(missing)}; "
+            raise UsageError(f"{a.run}: expected the final weights {', '.join(missing)}; "
                                "is the run finished?")
-        ds = T.load_dataset(cfg)
-    except (OSError, ValueError, TypeError, T.UsageError, T.data.DataError) as e:
+        ds = classify.load_dataset(cfg)
+    except (OSError, ValueError, TypeError, UsageError, DataError) as e:
         sys.exit(f"error: {e}")
     from safetensors.torch import load_file
 
     dev = torch.device("cpu")
-    pick = T.context_sample(cfg, ds)
+    pick = classify.context_sample(cfg.seed, cfg.context_images, len(ds.data.test_x))
     images = ds.norm(ds.data.test_x[pick])
     rows, contexts = {}, {}
     for fam, path in weights.items():
-        model = T.build_model(fam, cfg, ds, dev, 1)
+        model = classify.build_model(fam, cfg, ds, dev)
         model.load_state_dict(load_file(str(path)))
         c = contexts[fam] = report.context_metrics(model, images)
         rows[fam] = {"layers": [e["name"] for e in c["erf"]],

@@ -1,7 +1,7 @@
 """Detect shapes on texture: a ViTDet backbone against a ResNet-18 one, same detector, same budget.
 
 The data set is drawn here, so nothing is downloaded: each 128x128 image is a textured background
-(`vitattn.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
+(`vitattn.training.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
 of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little. It is written as a
 COCO-format folder (``<work-dir>/shapes``: PNGs and ``annotations/instances_{train,val}.json``)
 and each backbone trains on it through ``examples/train_detection.py``, the script for a user's
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 from torchvision.ops import box_iou
-from train_detection import Config as RunConfig  # the sibling script: python puts examples/ on the path
-from train_detection import main as train_run
+from train_detection import main as train_run  # the sibling script: python puts examples/ on the path
 
-from vitattn.longrange import textured_background
-from vitattn.train import environment
+from vitattn.training.detect import Config as RunConfig
+from vitattn.training.longrange import textured_background
+from vitattn.training.runtime import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = ("circle", "square", "triangle", "cross")  # category ids 1..4
@@ -75,7 +75,7 @@ class Config:
                          out_channels=self.out_channels, min_size=self.img_size, max_size=self.img_size, aug="none",
                          epochs=self.epochs, time_budget=self.budget_min, batch_size=self.batch_size, lr=self.lr,
                          weight_decay=self.weight_decay, warmup=self.warmup, clip_grad=self.clip_grad, workers=0,
-                         device="cpu", seed=self.seed, log_interval=100, out=str(out))
+                         device="cpu", seed=self.seed, progress=False, out=str(out))
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def main(c: Config, work: Path, figure_path: Path | None = None, results_path: P
         summary = train_run(c.run_config(name, root, out))
         if summary["status"] != "ok":
             raise SystemExit(f"{name}: the run stopped ({summary['status']}); its folder is {out}")
-        print(f"{name}: {summary['state']['step']} steps, AP {summary['final']['map']:.3f}, "
+        print(f"{name}: {summary['state']['global_step']} steps, AP {summary['final']['map']:.3f}, "
               f"AP50 {summary['final']['map_50']:.3f}", flush=True)
         results[name] = {k: summary[k] for k in ("final", "state", "params", "images_per_s")}
         results[name]["backbone_params"] = sum(p.numel() for p in summary["model"].backbone.parameters())

@@ -28,7 +28,6 @@ import io
 import json
 import re
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,18 +96,14 @@ def machine(name: str) -> str:
 
 
 # names a study driver registered for one run; their config fields are in the run's kwargs
-DRIVER_PRESETS = {"vit_cifar_shallow_patch4_gap_sincos_heads6": "vit_cifar_shallow_patch4_gap_sincos"}
 DATA_FIELDS = ("img_size", "num_classes", "in_chans")  # set from the data by train_cifar.py
 
 
 def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
-    """A run's model as today's preset nearest to it plus the fields that differ, whatever names
-    it was run under (earlier releases' names resolve through ``vitattn.registry.DEPRECATED``)."""
+    """A run's model as today's preset nearest to it plus the fields that differ."""
     import vitattn
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ran = vitattn.get_config(DRIVER_PRESETS.get(preset, preset), **json.loads(kwargs or "{}"))
+    ran = vitattn.get_config(preset, **json.loads(kwargs or "{}"))
     best = None
     for name in vitattn.list_models():
         ours = vitattn.get_config(name)
@@ -123,17 +118,17 @@ def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
 
 def command(config: dict, family: str) -> str:
     """The train_cifar.py command of a saved config: the options that differ from today's defaults."""
-    import train_cifar
-    from vitattn.cli import options_in_use
+    from vitattn.training.classify import Config
+    from vitattn.training.recipes import DEFAULT_PRESETS
 
-    defaults = {f.name: f.default for f in dataclasses.fields(train_cifar.Config)}
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     skip = {"out", "resume", "progress", "plots", "model", "vit_preset" if family != "vit" else "",
             "cnn_preset" if family == "vit" else "", "vit_kwargs" if family != "vit" else "",
             "cnn_kwargs" if family == "vit" else ""}
     parts = ["python train_cifar.py", f"--model {family}"]
     if config.get("dataset", "cifar10") == "cifar10":
         skip |= {k for k in defaults if k.startswith("long_range_")}  # options of the other data set
-    gone = sorted(options_in_use(config, set(config) - set(defaults)))
+    gone = sorted(k for k in set(config) - set(defaults) if config[k] not in (None, 0, 0.0, False, "", "{}"))
     if gone:  # the run used an option the script no longer has: no command of today reproduces it
         raise SystemExit(f"a run used options train_cifar.py no longer has ({', '.join(gone)}); drop it from the "
                          "tables")
@@ -142,7 +137,7 @@ def command(config: dict, family: str) -> str:
             continue
         if k == "context_images" and v == 128:  # today's default (None) takes 128 test images too
             continue
-        if k == f"{family}_preset" and v == train_cifar.DEFAULT_PRESETS[config.get("dataset", "cifar10")][family]:
+        if k == f"{family}_preset" and v == DEFAULT_PRESETS[config.get("dataset", "cifar10")][family]:
             continue  # today's default for the data set
         if isinstance(v, float):
             v = f"{v:g}"
@@ -184,12 +179,9 @@ def runs() -> dict[str, list[dict]]:
         data = json.loads(path.read_text())
         stem = path.name.removesuffix("_summary.json").removesuffix("_summaries.json")
         pairs = [(stem, data)] if "models" in data else [(f"{stem}/{k}", v) for k, v in data.items()]
-        sibling = RAW / f"{stem}_config.json"  # early runs kept the config beside the summary only
         for name, s in pairs:
             if not isinstance(s, dict) or s.get("status") != "ok" or not s.get("models"):
                 continue
-            if "config" not in s:
-                s = {**s, "config": json.loads(sibling.read_text()) if sibling.exists() else {}}
             study = "cifar10" if s["dataset"] == "cifar10" else "long_range"
             studies[study] += run_rows(name, s)
     return studies
@@ -200,12 +192,6 @@ def runnable(cmd: str) -> str:
     cmd = re.sub(r"^(python )?benchmarks/(\w+)\.py", r"python -m benchmarks.\2", cmd)
     cmd = re.sub(r" --(out|json) \S+", "", cmd)  # where its author kept the files
     return re.sub(r"(\w+\[[^\]]*\])", r"'\1'", cmd)  # a bracketed name with spaces, as the shell needs it
-
-
-def today(preset: str) -> str:
-    """An earlier release's preset name as today's (a preset with no fields changed)."""
-    name, kwargs = canonical(preset, "{}")
-    return preset if kwargs else name
 
 
 def significant(x: float) -> float:
@@ -243,7 +229,7 @@ def speed_rows() -> list[dict]:
                              "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
             for family, m in d["models"].items():
                 for precision, q in m["precisions"].items():
-                    rows.append({"source": path.name, "case": f"{family} training step", "note": today(m["preset"]),
+                    rows.append({"source": path.name, "case": f"{family} training step", "note": m["preset"],
                                  "library": "vitattn", "precision": precision, "batch": m["batch"],
                                  "rate": significant(q["img_per_s"]), "unit": "img/s", "ratio": round(q["vs_fp32"], 3),
                                  "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
@@ -251,12 +237,12 @@ def speed_rows() -> list[dict]:
             ns = d["newton_schulz_ms_per_step"]
             for name, img_s in d["images_per_s"].items():
                 dtype = {"muon_torch": "bfloat16", "muon_vitattn": "float32"}.get(name)
-                rows.append({"source": path.name, "case": f"training step, {name}", "note": today(d["model"]),
+                rows.append({"source": path.name, "case": f"training step, {name}", "note": d["model"],
                              "library": "vitattn", "precision": "fp32", "batch": d["batch"], "rate": significant(img_s),
                              "unit": "img/s", "ratio": round(img_s / d["images_per_s"]["adamw"], 3),
                              "newton_schulz_ms": round(ns[dtype], 1) if dtype else None, "hardware": hw,
                              "torch": d["torch"],
-                             "command": f"python -m benchmarks.optimizer_step --model {today(d['model'])} "
+                             "command": f"python -m benchmarks.optimizer_step --model {d['model']} "
                              f"--batch {d['batch']} --rounds {d['rounds']} --iters {d['iters']}"})
     return rows
 
@@ -312,8 +298,8 @@ def detection_rows() -> list[dict]:
     for name, r in d["results"].items():
         f = r["final"]
         rows.append({"backbone": name, "detector": "fcos", "backbone_params": r["backbone_params"],
-                     "steps": r["state"]["step"], "batch_size": c["batch_size"],
-                     "train_min": round(r["state"]["train_s"] / 60, 2), "ap": round(f["map"], 3),
+                     "steps": r["state"]["global_step"], "batch_size": c["batch_size"],
+                     "train_min": round(r["state"]["train_seconds"] / 60, 2), "ap": round(f["map"], 3),
                      "ap50": round(f["map_50"], 3), "ap75": round(f["map_75"], 3), "ap_small": round(f["map_small"], 3),
                      "ap_medium": round(f["map_medium"], 3),
                      "hardware": f"{d['env'].get('cpu', 'unknown CPU')}, {d['env'].get('cpu_count')} cores",

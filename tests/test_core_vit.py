@@ -137,7 +137,7 @@ def test_attention_maps_match_forward():
     blk = m.blocks[0]
     tokens, _ = m.embed(x)
     q, k, v = blk.attn.project_qkv(blk.norm1(tokens), None)
-    assert torch.allclose(maps[0], ((q @ k.transpose(-2, -1)) * blk.attn.scale).softmax(-1), atol=1e-5)
+    assert torch.allclose(maps[0], ((q @ k.transpose(-2, -1)) * blk.attn.head_dim**-0.5).softmax(-1), atol=1e-5)
 
 
 def test_rotary_codes_see_relative_places_only():
@@ -153,7 +153,7 @@ def test_rotary_codes_see_relative_places_only():
 
     def scores(t):
         q, k, _ = attn.project_qkv(t, None)
-        return attn.scores(*vitattn.rotate_qk(q, k, rope))
+        return attn.score_fn(*vitattn.rotate_qk(q, k, rope))
 
     s, s_moved = scores(tokens), scores(moved)
     torch.testing.assert_close(s_moved[..., 8:, 8:], s[..., :8, :8], atol=1e-5, rtol=1e-5)
@@ -221,31 +221,6 @@ def test_registry():
         create_model("vit_quick", embed_dims=4)
     m = create_model("vit_quick", depth=2, global_pool="avg", class_token=False)
     assert len(m.blocks) == 2 and m.num_prefix_tokens == 0
-
-
-# Shapes of earlier releases' presets, as they were: their names must still build exactly these.
-EARLIER = {
-    "vit_cifar_patch4": dict(embed_dim=192, depth=6, num_heads=3, mlp_ratio=2.0, class_token=True),
-    "vit_cifar_small_patch4_mlp4_depth8": dict(embed_dim=128, depth=8, num_heads=4, mlp_ratio=4.0),
-    "vit_cifar_shallow_patch4_gap_sincos": dict(embed_dim=192, depth=2, class_token=False, global_pool="avg",
-                                                pos_embed="sincos2d", use_rot_pos_emb=False),
-    "vit_cifar_patch4_maxpool": dict(embed_dim=192, depth=6, class_token=False, global_pool="max"),
-    "cnn_cifar": dict(stem="conv", stem_width=32, widths=(64, 256, 256), global_pool="max", dirac_init=True),
-    "cnn_cifar_whiten": dict(stem="whiten", stem_width=24, widths=(64, 128, 256)),
-    "bof_local": dict(width=64, hidden=64),
-}
-
-
-@pytest.mark.parametrize("old", sorted(vitattn.registry.DEPRECATED))
-def test_earlier_preset_names_build_todays_preset_with_a_warning(old):
-    new, fields_ = vitattn.registry.DEPRECATED[old]
-    assert new in list_models() and old not in list_models()
-    with pytest.warns(FutureWarning, match=f"preset '{old}' is now create_model\\('{new}'"):
-        cfg = vitattn.get_config(old, num_classes=3)
-    assert cfg == vitattn.get_config(new, **{**fields_, "num_classes": 3})
-    for k, v in EARLIER.get(old, {}).items():
-        assert getattr(cfg, k) == v, (old, k)
-    vitattn.registry.check_preset(old, (vitattn.PRESETS[new][0],))  # a resumed run's config.json names it
 
 
 def test_preset_dims_match_timm():

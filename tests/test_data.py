@@ -1,4 +1,4 @@
-"""vitattn.data: the three CIFAR layouts, the decode cache, batch augmentation, sharded batches."""
+"""vitattn.training.data: the three CIFAR layouts, the decode cache, batch augmentation, sharded batches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitattn import data as D
+from vitattn.training import data as D
 
 CLASSES = ("cat", "dog", "frog")
 

@@ -22,8 +22,9 @@ from device_stand_in import STAND_IN, FakeCuda, StandIn, fake_ddp, fake_nccl
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import train_cifar as T
-from vitattn import checkpoint, runtime
-from vitattn.cli import UsageError
+from vitattn import registry
+from vitattn.training import checkpoint, classify, data, loop, report, runtime
+from vitattn.training.cli import UsageError
 
 
 def on_host(fn):
@@ -46,19 +47,19 @@ def keep_on_host(monkeypatch) -> None:
         return original_tolist(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    monkeypatch.setattr(T.data, "load_cifar", on_host(T.data.load_cifar))
-    monkeypatch.setattr(T.vitattn, "create_model", on_host(T.vitattn.create_model))
-    monkeypatch.setattr(T.checkpoint, "load_checkpoint", on_host(T.checkpoint.load_checkpoint))
-    monkeypatch.setattr(T.train, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
+    monkeypatch.setattr(data, "load_cifar", on_host(data.load_cifar))
+    monkeypatch.setattr(registry, "create_model", on_host(registry.create_model))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", on_host(checkpoint.load_checkpoint))
+    monkeypatch.setattr(classify, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
     for name in ("save_atomic", "save_safetensors"):
-        monkeypatch.setattr(T.checkpoint, name, lambda *a, **k: None)
-    monkeypatch.setattr(T.report, "write_report", lambda *a, **k: None)
+        monkeypatch.setattr(checkpoint, name, lambda *a, **k: None)
+    monkeypatch.setattr(report, "write_report", lambda *a, **k: None)
 
 
 def enter_stand_in(monkeypatch) -> StandIn:
     keep_on_host(monkeypatch)
     mode = StandIn()
-    monkeypatch.setattr(T.data, "step_generator", mode.device_generator(T.data.step_generator))
+    monkeypatch.setattr(data, "step_generator", mode.device_generator(data.step_generator))
     return mode
 
 
@@ -68,15 +69,15 @@ def stand_in(monkeypatch):
         yield mode
 
 
-def config(tmp_path: Path, folder: Path, **kw) -> T.Config:
+def config(tmp_path: Path, folder: Path, **kw) -> classify.Config:
     base = dict(data_dir=str(folder), out=str(tmp_path / "run"), model="both", cnn_preset="cnn_quick",
                 vit_preset="vit_quick", epochs=2, batch_size=12, lr=0.05, progress=False, plots=False,
                 context_images=8, device="meta", channels_last=False)  # fake tensors do not change layout
-    return T.Config(**{**base, **kw})
+    return classify.Config(**{**base, **kw})
 
 
 def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
-    norm = T.data.Normalize().to(STAND_IN)
+    norm = data.Normalize().to(STAND_IN)
     with pytest.raises(RuntimeError, match="device"):
         norm(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
 
@@ -85,8 +86,8 @@ def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
                          ids=["fp32", "bf16", "fp16"])
 def test_a_fresh_run_keeps_data_model_and_sums_on_the_device(tmp_path, folder, stand_in, amp, monkeypatch):
     if amp:  # autocast has no meta backend: the CPU's is taken, which leaves meta ops as they are
-        cpu_autocast = T.runtime.autocast
-        for module in (T.runtime, T.train):
+        cpu_autocast = runtime.autocast
+        for module in (runtime, classify):
             monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
     s = T.main(config(tmp_path, folder, tta=True, **amp))
     assert s["status"] == "ok" and set(s["models"]) == {"vit", "cnn"}
@@ -96,7 +97,7 @@ def test_a_fresh_run_keeps_data_model_and_sums_on_the_device(tmp_path, folder, s
 def test_a_run_resumes_on_the_device_from_a_checkpoint_read_on_the_host(tmp_path, folder, monkeypatch):
     cfg = config(tmp_path, folder, model="cnn", device="cpu", epochs=3)
     calls = {"n": 0}
-    cross_entropy = T.F.cross_entropy
+    cross_entropy = classify.F.cross_entropy
 
     def interrupt(*args, **kw):
         calls["n"] += 1
@@ -104,13 +105,13 @@ def test_a_run_resumes_on_the_device_from_a_checkpoint_read_on_the_host(tmp_path
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(T.F, "cross_entropy", interrupt)
+    monkeypatch.setattr(classify.F, "cross_entropy", interrupt)
     assert T.main(cfg)["status"] == "interrupted"
-    monkeypatch.setattr(T.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
     saved = (Path(cfg.out) / "config.json").read_text().replace('"device": "cpu"', '"device": "meta"')
     (Path(cfg.out) / "config.json").write_text(saved)
     with enter_stand_in(monkeypatch):
-        s = T.main(T.Config(resume=cfg.out, progress=False))
+        s = T.main(classify.Config(resume=cfg.out, progress=False))
     assert s["status"] == "ok"
 
 
@@ -130,7 +131,7 @@ def test_two_ranks_reduce_only_tensors_on_the_device(tmp_path, folder, stand_in,
     try:
         monkeypatch.setattr(dist, "all_reduce", nccl_like)
         monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 2))
-        monkeypatch.setattr(T.nn.parallel, "DistributedDataParallel", lambda m, **k: m)  # DDP: tests/test_train.py
+        monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, **k: m)  # DDP: tests/test_train.py
         monkeypatch.setenv("WORLD_SIZE", "2")
         s = T.main(config(tmp_path, folder))
     finally:
@@ -146,10 +147,10 @@ def test_the_package_and_its_muon_need_no_torch_optim_muon():
     import sys
 
     code = ("import torch; del torch.optim.Muon\n"
-            "import vitattn, train_cifar\n"
-            "from vitattn.train import RECIPES, build_optimizer\n"
+            "import vitattn\n"
+            "from vitattn.training.optim import create_optimizer; from vitattn.training.recipes import RECIPES\n"
             "m = vitattn.create_model('vit_quick', num_classes=3)\n"
-            "opt = build_optimizer(m, RECIPES['vit'])\n"
+            "opt = create_optimizer(m, **RECIPES['vit'].optimizer_kwargs())\n"
             "m(torch.randn(2, 3, 32, 32)).sum().backward(); opt.step(); print(type(opt.optimizers[0]).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
@@ -167,25 +168,26 @@ def test_a_steady_state_step_moves_nothing_between_host_and_device(tmp_path, fol
     """Each copy or read between host and GPU makes the host wait for the GPU's queue: in steady
     state a step queues work and nothing else; the loop reads its sums every READ_EVERY steps."""
     if kw.get("amp"):  # autocast has no meta backend: the CPU's leaves meta ops as they are
-        cpu_autocast = T.runtime.autocast
-        for module in (T.runtime, T.train):
+        cpu_autocast = runtime.autocast
+        for module in (runtime, classify):
             monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
-    monkeypatch.setattr(T, "READ_EVERY", 4)
+    monkeypatch.setattr(loop, "READ_EVERY", 4)
     per_step, step_of = [], []
     last = {"n": stand_in.traffic.total()}
-    train_step = T.train_step
+    train_step = loop.train_step
 
-    def counted(run, xb, yb, norm):  # the traffic since the previous step: one loop iteration's
+    def counted(run, batch):  # the traffic since the previous step: one loop iteration's
         per_step.append(stand_in.traffic.total() - last["n"])
         step_of.append((run.st.global_step, run.st.step_in_epoch))
-        train_step(run, xb, yb, norm)
+        n = train_step(run, batch)
         last["n"] = stand_in.traffic.total()
+        return n
 
-    monkeypatch.setattr(T, "train_step", counted)
+    monkeypatch.setattr(loop, "train_step", counted)
     s = T.main(config(tmp_path, folder, model=model, epochs=3, batch_size=6, **kw))
     assert s["status"] == "ok"
     # steady state: not an epoch's first step (evaluation and a checkpoint came before it), not a read's
-    steady = [(step, n) for (step, in_epoch), n in zip(step_of, per_step) if step % T.READ_EVERY and in_epoch]
+    steady = [(step, n) for (step, in_epoch), n in zip(step_of, per_step) if step % loop.READ_EVERY and in_epoch]
     assert len(steady) >= 8 and all(n == 0 for _, n in steady), steady
     assert sum(per_step) > 0  # the reads every READ_EVERY steps are there, and counted
 
@@ -199,8 +201,8 @@ def test_the_stand_in_counts_copies_and_reads_and_checks_generators(stand_in):
     assert stand_in.traffic.total() - before == 3 and y.device == STAND_IN
     with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
         torch.randint(0, 3, (4,), generator=torch.Generator(), device=STAND_IN)
-    T.data.translate_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8, device=STAND_IN), 2, True,
-                          T.data.step_generator(0, 1, device=STAND_IN))  # drawn on the device: accepted
+    data.translate_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8, device=STAND_IN), 2, True,
+                          data.step_generator(0, 1, device=STAND_IN))  # drawn on the device: accepted
 
 
 # -- torch.cuda, NCCL and DDP as a GPU machine checks them -------------------------------------
@@ -236,7 +238,7 @@ def test_torchrun_ranks_each_take_their_own_gpu_for_nccl_and_ddp(monkeypatch, na
     bound, wrapped = {}, []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(T.nn.parallel, "DistributedDataParallel", fake_ddp(cuda, wrapped))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake_ddp(cuda, wrapped))
     for rank in (0, 1):  # the two processes of a torchrun, one after the other
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         monkeypatch.setattr(dist, "init_process_group", fake_nccl(bound, rank))
@@ -273,13 +275,15 @@ def test_on_cuda_adamw_and_sgd_take_their_fused_kernels_and_the_cpu_keeps_foreac
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vitattn.train import RECIPES, build_optimizer
+    from vitattn.training.optim import create_optimizer
+    from vitattn.training.recipes import RECIPES
 
     def fused(model) -> dict[str, list]:
-        opts = {o: build_optimizer(model, replace(RECIPES["vit"], optimizer=o)) for o in ("adamw", "sgd", "muon")}
+        opts = {o: create_optimizer(model, **replace(RECIPES["vit"], optimizer=o).optimizer_kwargs())
+                for o in ("adamw", "sgd", "muon")}
         return {o: [x.defaults.get("fused") for x in getattr(opt, "optimizers", [opt])] for o, opt in opts.items()}
 
-    model = T.vitattn.create_model("vit_quick")
+    model = registry.create_model("vit_quick")
     assert fused(model) == {"adamw": [None], "sgd": [None], "muon": [None, None]}
     with FakeTensorMode(allow_non_fake_inputs=True):
         on_gpu = fused(model.to("cuda"))

@@ -50,9 +50,9 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
 
     code = ("import sys, vitattn\n"
             "print(sorted(m for m in sys.modules if m.startswith('vitattn.')))\n"
-            "vitattn.train.RECIPES, vitattn.detection.ViTDetBackbone\n"
-            "from vitattn import report\n"
-            "print('train' in dir(vitattn) or 'vitattn.train' in sys.modules)")
+            "vitattn.training, vitattn.detection.ViTDetBackbone\n"
+            "from vitattn.training.recipes import RECIPES\n"
+            "print('vitattn.training.recipes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     loaded, on_use = out.stdout.splitlines()
@@ -60,5 +60,53 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
               "registry", "scores", "timm_compat", "vit", "window"}
     assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, detection
     assert on_use == "True"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of vitattn/ and the modules of vitattn/ it imports at its top level."""
+    package = ROOT / "vitattn"
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        base = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.parse(path.read_text()).body:  # top level only: what importing the module runs
+            if isinstance(node, ast.ImportFrom):
+                parts = base.split(".")
+                module = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                for alias in node.names:
+                    deps.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in names else module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    graph, state = module_imports(), {}
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", "import circle: " + " -> ".join(path[path.index(node):] + [node])
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            visit(dep, path + [node])
+        state[node] = "done"
+
+    assert "vitattn.training.loop" in graph and "vitattn.training.errors" in graph["vitattn.training.loop"]
+    for node in sorted(graph):
+        visit(node, [])
+    assert not {d for d in graph["vitattn.training.errors"] if d.startswith("vitattn")}  # imports nothing of ours
+
+
+def test_no_script_is_imported_as_a_library():
+    """``train_cifar.py`` is imported by its own tests only; benchmarks, results and the package
+    use the package."""
+    users = [p for folder in ("vitattn", "benchmarks", "results", "examples") for p in (ROOT / folder).rglob("*.py")
+             if re.search(r"^\s*(import train_cifar|from train_cifar import)", p.read_text(), re.M)]
+    assert not users, users
     with pytest.raises(AttributeError, match="has no attribute 'trian'"):
         vitattn.trian  # noqa: B018

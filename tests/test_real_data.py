@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vitattn
-from vitattn import data as D
+from vitattn.training import data as D
 
 ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar.gz"
 

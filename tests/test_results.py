@@ -54,3 +54,31 @@ def test_step_speed_rows_name_their_hardware_and_a_benchmark_command():
     for row in rows:
         assert row["hardware"] != "unknown" and float(row["rate"]) > 0, row
         assert row["command"].startswith("python -m benchmarks."), row["command"]
+
+
+def test_every_kept_run_builds_today_with_the_parameters_it_recorded():
+    """The run files name today's presets and options only (no earlier names are read), and each
+    recorded model is rebuilt by today's code to the weight count the run reported."""
+    import dataclasses
+
+    import vitattn
+    from vitattn.training.classify import Config
+
+    options = {f.name for f in dataclasses.fields(Config)}
+    for path in sorted((ROOT / "docs" / "results").glob("*_summar*.json")):
+        data = json.loads(path.read_text())
+        for name, s in ([(path.name, data)] if "models" in data else data.items()):
+            assert set(s["config"]) <= options, (name, set(s["config"]) - options)
+            for fam, m in s["models"].items():
+                slot = "vit" if fam == "vit" else "cnn"
+                assert m["preset"] == s["config"][f"{slot}_preset"] in vitattn.list_models(), name
+                size = 32 if s["dataset"] == "cifar10" else 64
+                kw = {"num_classes": len(s["classes"]), **json.loads(s["config"][f"{slot}_kwargs"])}
+                if fam == "vit":
+                    kw["img_size"] = size
+                model = vitattn.create_model(m["preset"], **kw)
+                # trained and frozen weights (a CNN's frozen ones are buffers today), not BatchNorm's statistics
+                state = model.state_dict()
+                frozen = sum(v.numel() for k, v in state.items() if k.rsplit(".", 1)[-1] not in
+                             ("running_mean", "running_var", "num_batches_tracked") and v.is_floating_point())
+                assert m["params"] in (sum(p.numel() for p in model.parameters()), frozen), (name, fam)

@@ -21,8 +21,15 @@ import torch
 from test_data import write_batches, write_folder, write_tar
 
 import train_cifar as T
-from vitattn.data import DataError, Normalize
-from vitattn.train import RECIPES, Dist, evaluate, flops_per_image, get_lr, param_groups, save_atomic
+from vitattn.helpers import flops_per_image
+from vitattn.training import classify, runtime
+from vitattn.training.checkpoint import save_atomic
+from vitattn.training.classify import evaluate
+from vitattn.training.data import DataError, Normalize
+from vitattn.training.optim import param_groups
+from vitattn.training.recipes import RECIPES
+from vitattn.training.runtime import Dist
+from vitattn.training.schedule import get_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,27 +90,27 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
 
 def test_bias_lr_scale_speeds_up_only_the_parameters_without_decay():
     import vitattn
-    from vitattn.train import build_optimizer, set_lr
+    from vitattn.training.optim import create_optimizer, set_lr
 
     m = vitattn.create_model("cnn_quick")
     for name in ("sgd", "adamw"):
-        opt = build_optimizer(m, replace(RECIPES["cnn"], optimizer=name, bias_lr_scale=64.0))
+        opt = create_optimizer(m, **replace(RECIPES["cnn"], optimizer=name, bias_lr_scale=64.0).optimizer_kwargs())
         set_lr(opt, 0.1)
         decay, no_decay = opt.param_groups
         assert decay["lr"] == pytest.approx(0.1) and no_decay["lr"] == pytest.approx(6.4)
         assert all(p.ndim == 1 for p in no_decay["params"]) and decay["weight_decay"] > 0 == no_decay["weight_decay"]
     vit = vitattn.create_model("vit_quick")
-    opt = build_optimizer(vit, replace(RECIPES["vit"], bias_lr_scale=3.0))  # Muon + AdamW
+    opt = create_optimizer(vit, **replace(RECIPES["vit"], bias_lr_scale=3.0).optimizer_kwargs())  # Muon + AdamW
     set_lr(opt, 0.01)
     assert sorted(round(g["lr"], 6) for g in opt.param_groups) == [0.01, 0.01, 0.03]
 
 
 def test_model_ema_is_the_closed_form_average_of_weights_and_buffers():
-    from vitattn.train import ema_decay_at, model_ema
+    from vitattn.training.optim import ModelEma, ema_decay_at
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    ema = model_ema(m, 0.9)
+    ema = ModelEma(m, 0.9)
     expect_w, expect_mean = None, None
     for n in range(6):
         with torch.no_grad():
@@ -122,7 +129,7 @@ def test_model_ema_is_the_closed_form_average_of_weights_and_buffers():
     assert [ema_decay_at(0.9, n) for n in (0, 8, 100)] == [0.1, 0.5, 0.9]  # fast at first, then the decay
     assert not torch.equal(ema.module[0].weight, m[0].weight)  # an average, not the last weights
     with pytest.raises(ValueError, match="in \\(0, 1\\)"):
-        model_ema(m, 1.0)
+        ModelEma(m, 1.0)
 
 
 def _muon_steps(opt_cls, shapes, steps=3, **kw):
@@ -140,7 +147,7 @@ def _muon_steps(opt_cls, shapes, steps=3, **kw):
 @pytest.mark.parametrize("adjust", [None, "match_rms_adamw", "spectral_unclamped"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_in_bfloat16_steps_exactly_as_torch_and_in_fp32_close_to_it(adjust, nesterov):
-    from vitattn.train import Muon
+    from vitattn.training.optim import Muon
     shapes = [(48, 16), (16, 40), (24, 24)]  # tall, wide, square
     ref, ref_opt = _muon_steps(torch.optim.Muon, shapes, nesterov=nesterov, adjust_lr_fn=adjust)
     ours, ours_opt = _muon_steps(Muon, shapes, nesterov=nesterov, adjust_lr_fn=adjust, ns_dtype=torch.bfloat16)
@@ -161,7 +168,7 @@ def test_muon_in_bfloat16_steps_exactly_as_torch_and_in_fp32_close_to_it(adjust,
 def test_muon_batched_by_shape_equals_one_matrix_at_a_time(ns_dtype):
     """Matrices of one shape share one batched Newton-Schulz (a few kernels instead of a few dozen
     per matrix); each still steps exactly as if it were alone."""
-    from vitattn.train import Muon
+    from vitattn.training.optim import Muon
     shapes = [(32, 16), (32, 16), (16, 48), (32, 16), (16, 48)]
     together, _ = _muon_steps(Muon, shapes, ns_dtype=ns_dtype, adjust_lr_fn="match_rms_adamw")
     torch.manual_seed(0)
@@ -178,7 +185,7 @@ def test_muon_batched_by_shape_equals_one_matrix_at_a_time(ns_dtype):
 
 
 def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_near_one():
-    from vitattn.train import orthogonalize
+    from vitattn.training.optim import orthogonalize
     g = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-2, 1, 24))
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     d = torch.optim.Muon([torch.nn.Parameter(g)]).defaults  # torch's coefficients, steps and eps
@@ -191,12 +198,12 @@ def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_near_one
 
 def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exactly():
     import vitattn
-    from vitattn.train import Muon, OptimizerChain, build_optimizer
+    from vitattn.training.optim import Muon, OptimizerChain, create_optimizer
 
     def make():
         torch.manual_seed(0)
         m = vitattn.create_model("vit_quick", depth=2, embed_dim=32, num_heads=2)
-        return m, build_optimizer(m, replace(RECIPES["vit"], optimizer="muon", lr=3e-3))
+        return m, create_optimizer(m, **replace(RECIPES["vit"], optimizer="muon", lr=3e-3).optimizer_kwargs())
 
     m, opt = make()
     assert isinstance(opt, OptimizerChain) and isinstance(opt.optimizers[0], Muon)
@@ -232,7 +239,7 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
     with pytest.raises(ValueError, match="state of 2 chained optimisers"):
         opt2.load_state_dict({"chain": state["chain"][:1]})
     with pytest.raises(ValueError, match="needs 2-D weights in blocks"):
-        build_optimizer(vitattn.create_model("cnn_quick"), replace(RECIPES["cnn"], optimizer="muon"))
+        create_optimizer(vitattn.create_model("cnn_quick"), "muon", lr=0.1, weight_decay=0.0)
 
 
 def test_test_time_augmentation_views_and_weights():
@@ -339,7 +346,7 @@ def test_a_whitening_stem_is_set_from_the_training_images(tmp_path, folder):
     s = T.main(cfg)
     rows = metrics(s["out"])
     assert s["status"] == "ok" and rows[-1]["train_loss"] < rows[0]["train_loss"]
-    ds = T.load_dataset(cfg)
+    ds = classify.load_dataset(cfg)
     want = vitattn.whitening_filters(ds.norm(ds.data.train_x[:5000]))
     ck = torch.load(Path(s["out"]) / "checkpoints" / "cnn.pt", weights_only=True)
     torch.testing.assert_close(ck["model"]["stem.0.weight"], want)  # set from data, then frozen
@@ -378,16 +385,6 @@ def test_model_kwargs_change_the_preset_and_are_recorded(tmp_path):
     assert "plain background" in s["data_source"]
 
 
-def test_a_run_from_before_the_background_option_resumes_on_its_texture(tmp_path):
-    out = tmp_path / "old"
-    out.mkdir()
-    saved = {k: v for k, v in dataclasses.asdict(T.Config(dataset="long-range", out=str(out))).items()
-             if k != "long_range_background"}
-    (out / "config.json").write_text(json.dumps(saved))
-    cfg = T.cli.resumed_config(T.Config, str(out), "train_cifar.py", missing=T.OLD_RUN_VALUES)
-    assert cfg.long_range_background == "texture"
-
-
 def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
     s = T.main(tiny(tmp_path, folder, epochs=2, model_ema_decay=0.5))
     r, rows = s["models"]["cnn"], metrics(s["out"])
@@ -416,7 +413,7 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
-    cross_entropy = T.F.cross_entropy
+    cross_entropy = classify.F.cross_entropy
 
     def interrupt_in_epoch_3(*args, **kw):  # 3 training steps + 1 evaluation batch per epoch (2 with an EMA)
         calls["n"] += 1
@@ -424,13 +421,13 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(T.F, "cross_entropy", interrupt_in_epoch_3)
+    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
     cfg = tiny(tmp_path / "b", folder, epochs=3, **kw)
     assert T.main(cfg)["status"] == "interrupted"
     ck = torch.load(Path(cfg.out) / "checkpoints" / f"{family}.pt", weights_only=True)
     assert (ck["state"]["epoch"], ck["state"]["step_in_epoch"]) == (2, 2)  # stops before the next step
     assert ("scaler" in ck) == (kw.get("amp_dtype") == "float16")  # fp16's loss scale resumes too
-    monkeypatch.setattr(T.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
     resumed = T.main(T.Config(resume=cfg.out, progress=False))
     assert resumed["status"] == "ok"
     assert scores(metrics(cfg.out)) == scores(metrics(ref["out"]))
@@ -537,7 +534,7 @@ def test_compile_time_is_reported_apart_and_kept_off_the_budget(tmp_path, folder
                 time.sleep(1.5)  # what compiling costs, in miniature
             return self.module(x)
 
-    monkeypatch.setattr(T.runtime.torch, "compile", SlowFirstCall)
+    monkeypatch.setattr(runtime.torch, "compile", SlowFirstCall)
     s = T.main(tiny(tmp_path, folder, epochs=1, compile=True))
     r = s["models"]["cnn"]
     assert r["compile_seconds"] >= 1.5 and r["train_seconds"] < 1.5
@@ -669,11 +666,11 @@ def test_images_of_another_size_build_the_vit_for_them_or_are_refused_up_front(t
 
 def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, folder):
     cfg = tiny(tmp_path, folder, batch_size=13)
-    ds = T.load_dataset(cfg)
+    ds = classify.load_dataset(cfg)
     with pytest.raises(T.UsageError, match="--batch-size is the global batch and must split evenly over the 2 "
                                            "processes, got 13"):
-        T.build_model("cnn", cfg, ds, torch.device("cpu"), world=2)
-    assert T.build_model("cnn", replace(cfg, batch_size=12), ds, torch.device("cpu"), world=2) is not None
+        classify.build_model("cnn", cfg, ds, torch.device("cpu"), world=2)
+    assert classify.build_model("cnn", replace(cfg, batch_size=12), ds, torch.device("cpu"), world=2) is not None
 
 
 def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsys):

@@ -16,12 +16,14 @@ import torch
 pytest.importorskip("pycocotools")
 pytest.importorskip("torchvision")
 
+from vitattn.training import cli, detect  # noqa: E402  (after the skips)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_detection.py"
 TINY_VIT = json.dumps(dict(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=2))
 SMALL = ["--model", "vit_tiny_patch16_224", "--model-kwargs", TINY_VIT, "--strides", "8", "16",
          "--out-channels", "32", "--min-size", "64", "--max-size", "64", "--batch-size", "4", "--workers", "0",
-         "--lr", "1e-3", "--log-interval", "2"]
+         "--lr", "1e-3", "--no-progress"]
 
 
 def write_coco(root: Path, split: str, n: int, seed: int) -> dict:
@@ -85,7 +87,8 @@ def test_one_epoch_end_to_end_writes_coco_ap_then_resumes_to_the_next(coco, tmp_
         assert all(-1 <= row[key] <= 1 for row in rows), key
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["final"] == rows[-1]
-    ck = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert summary["result"]["final_map"] == rows[-1]["map"] and summary["result"]["steps"] == 6
+    ck = torch.load(out / "checkpoints" / "detector.pt", weights_only=True)
     assert ck["category_ids"] == [0, 3, 7] and ck["state"]["epoch"] == 3
     # a finished run resumed does no more steps and keeps its results
     r = script("--resume", str(out))
@@ -94,24 +97,27 @@ def test_one_epoch_end_to_end_writes_coco_ap_then_resumes_to_the_next(coco, tmp_
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(td, coco, tmp_path, monkeypatch, one_thread):
-    """In process: a stop after the first step saves a checkpoint; the resume finishes the epoch
-    with the images the first part had not seen."""
-    cfg = td.parse_config(td.build_parser(td.Config, ""), td.Config,
+    """In process: a Ctrl-C during the first step stops the run after it with a checkpoint; the
+    resume finishes the epoch with the images the first part had not seen."""
+    import signal
+
+    cfg = cli.parse_config(cli.build_parser(td.Config, ""), td.Config,
                           ["--data-dir", str(coco), *SMALL, "--epochs", "1", "--limit-train", "8",
                            "--output", str(tmp_path / "r"), "--detector", "retinanet"])
-    real = td.train_epoch
+    real = detect.DetectionTask.loss
 
-    def stop_after_one_step(model, opt, scaler, train, cfg, dev, state, stop, log):
-        stop.signum = 2  # as Ctrl-C would, checked after each step
-        return real(model, opt, scaler, train, cfg, dev, state, stop, log)
+    def interrupted_step(self, net, batch):
+        signal.raise_signal(signal.SIGINT)  # the loop finishes this step and stops before the next
+        return real(self, net, batch)
 
-    monkeypatch.setattr(td, "train_epoch", stop_after_one_step)
+    monkeypatch.setattr(detect.DetectionTask, "loss", interrupted_step)
     first = td.main(cfg)
-    assert first["status"] == "interrupted" and first["state"]["step"] == 1 and first["state"]["seen"] == 4
-    monkeypatch.setattr(td, "train_epoch", real)
-    second = td.main(td.Config(resume=str(tmp_path / "r")))
-    assert second["status"] == "ok" and second["state"]["step"] == 2 and second["state"]["epoch"] == 1
-    assert second["state"]["images"] == 8  # each training image once
+    assert first["status"] == "interrupted" and first["signal"] == signal.SIGINT
+    assert first["state"]["global_step"] == 1 and first["state"]["images_seen"] == 4
+    monkeypatch.setattr(detect.DetectionTask, "loss", real)
+    second = td.main(td.Config(resume=str(tmp_path / "r"), progress=False))
+    assert second["status"] == "ok" and second["state"]["global_step"] == 2 and second["state"]["epoch"] == 1
+    assert second["state"]["images_seen"] == 8  # each training image once
 
 
 def test_maskrcnn_trains_on_the_folder_and_resnet_is_the_baseline(coco, tmp_path):
@@ -124,7 +130,7 @@ def test_maskrcnn_trains_on_the_folder_and_resnet_is_the_baseline(coco, tmp_path
                "--min-size", "64", "--max-size", "64", "--batch-size", "4", "--workers", "0", "--epochs", "1",
                "--limit-train", "4", "--limit-val", "3", "--output", str(tmp_path / "c"))
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "c" / "summary.json").read_text())["final"]["step"] == 1
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["state"]["global_step"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +149,7 @@ def td():
 def refused(td, capsys, argv: list[str]) -> str:
     """Run the command line in process; it must exit 2 with one line and no traceback."""
     try:
-        code = td.cli(argv)
+        code = td.command_line(argv)
     except SystemExit as e:  # argparse's own refusals
         code = e.code
     err = capsys.readouterr().err
@@ -256,7 +262,7 @@ def test_boxes_crossing_the_edge_are_clamped_and_counted(td, coco, tmp_path):
     shutil.copytree(coco, root)
     _mutate("train", lambda d, r: (d["annotations"][0].update(bbox=[60, 60, 10, 10]),
                                    d["annotations"][1].update(bbox=[64.5, 10, 5, 5])))(root)
-    counts = td.check_coco(root / "annotations" / "instances_train.json", root / "train")
+    counts = detect.check_coco(root / "annotations" / "instances_train.json", root / "train")
     assert counts == dict(clamped=2, dropped=1, crowd=1, images_without_boxes=1)
 
 
@@ -264,18 +270,18 @@ def test_a_failing_evaluation_leaves_the_epoch_s_checkpoint(td, coco, tmp_path, 
     def broken(*args, **kwargs):
         raise RuntimeError("the evaluation failed")
 
-    monkeypatch.setattr(td, "evaluate", broken)
+    monkeypatch.setattr(detect.DetectionTask, "evaluate", broken)
     out = tmp_path / "o"
-    assert td.cli(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 1
+    assert td.command_line(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 1
     err = capsys.readouterr().err
-    assert (out / "checkpoints" / "last.pt").is_file() and "the last good checkpoint is kept" in err
+    assert (out / "checkpoints" / "detector.pt").is_file() and "the last good checkpoint is kept" in err
 
 
 def test_both_scripts_read_images_alike_upright_by_exif_and_cmyk_as_rgb(td, coco, tmp_path):
-    """One reader (``vitattn.data.read_image``) for the CIFAR folders and the COCO folders."""
+    """One reader (``vitattn.training.data.read_image``) for the CIFAR folders and the COCO folders."""
     from PIL import Image
 
-    from vitattn.data import _decode_image, read_image
+    from vitattn.training.data import _decode_image, read_image
 
     tall = Image.new("RGB", (40, 64), (200, 20, 20))  # stored 40 wide, 64 high
     exif = Image.Exif()
@@ -291,15 +297,35 @@ def test_both_scripts_read_images_alike_upright_by_exif_and_cmyk_as_rgb(td, coco
     shutil.copy(tmp_path / "rot.jpg", root / "val" / "rot.jpg")
     _mutate("val", lambda d, r: d["images"][2].update(file_name="rot.jpg", width=64, height=40))(root)
     cfg = td.Config(data_dir=str(root), epochs=1)
-    split = td.load_split(cfg, "val", False)  # the stated size is the upright one: accepted
+    split = detect.load_split(cfg, "val", False)  # the stated size is the upright one: accepted
     image, _ = split.dataset[split.image_ids.index(102)]
     assert tuple(image.shape) == (3, 40, 64)
 
 
 def test_a_config_json_edited_since_its_checkpoint_is_refused_on_resume(td, coco, tmp_path, capsys):
     out = tmp_path / "o"
-    assert td.cli(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 0
+    assert td.command_line(["--data-dir", str(coco), *SMALL, "--epochs", "1", "--output", str(out)]) == 0
     saved = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**saved, "epochs": 3}))
     err = refused(td, capsys, ["--resume", str(out)])
-    assert "config.json no longer matches last.pt: epochs is 3 there and 1 in the checkpoint" in err
+    assert "config.json no longer matches detector.pt: epochs is 3 there and 1 in the checkpoint" in err
+
+
+def test_torchrun_trains_on_two_gloo_processes_and_ends_with_equal_weights(coco, tmp_path):
+    """The loop train_cifar.py runs, under torchrun: each rank a share of the images (the batch is
+    global), the val images detected in shares and scored once, equal weights on both ranks."""
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(SCRIPT), "--data-dir", str(coco), *SMALL, "--epochs", "2", "--limit-train", "8",
+                        "--detector", "fcos", "--device", "cpu", "--model-ema-decay", "0.5", "--output", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    result = summary["result"]
+    assert summary["world_size"] == result["world_size"] == 2 and result["batch_per_rank"] == 2
+    assert result["ranks_agree"] is True and result["steps"] == 4  # 8 images, 4 per rank, 2 per step, 2 epochs
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2] and "map_no_ema" in rows[-1]  # rank 0 alone writes
+    ck = torch.load(out / "checkpoints" / "detector.pt", weights_only=True)
+    assert len(ck["rng"]) == 2 and ck["state"]["done"]

@@ -5,14 +5,13 @@
     logits = model(images)                     # (B, 10)
     maps = model.get_attention_maps(images)    # one (B, heads, N, N) per block
 
-The model API is exported here, and ``import vitattn`` loads the models alone. The training and
-study half loads when first used (``vitattn.train`` or ``from vitattn import train``), needing only
-torch (torchvision, pycocotools and matplotlib load when a function needs them):
-``vitattn.data`` (CIFAR sources, batches, augmentation), ``vitattn.train`` (recipes, schedule,
-evaluation, checkpoints), ``vitattn.context`` (how far layers look), ``vitattn.report`` (figures
-and report), ``vitattn.longrange`` (the long-range task), ``vitattn.detection`` (ViTDet
-backbones for torchvision's detectors); ``vitattn.init`` (JAX's init, the whitening basis) and
-``vitattn.datasets`` (CIFAR-10's classes and statistics) load with the models.
+The model API is exported here, and ``import vitattn`` loads the models alone. The rest loads
+when first used, needing only torch (torchvision, pycocotools and matplotlib load when a function
+needs them): ``vitattn.training`` (data, the training loop, checkpoints, the report: its own
+docstring lists its modules), ``vitattn.context`` (how far layers look), ``vitattn.detection``
+(ViTDet backbones for torchvision's detectors, and detection as a training task);
+``vitattn.init`` (JAX's init, the whitening basis) and ``vitattn.datasets`` (CIFAR-10's classes
+and statistics) load with the models.
 """
 
 import importlib
@@ -29,11 +28,11 @@ from .vit import ViT, ViTConfig
 
 __version__ = "0.1.0"
 
-_ON_USE = ("checkpoint", "cli", "context", "data", "detection", "longrange", "optim", "report", "runtime", "train")
+_ON_USE = ("context", "detection", "training")
 
 
 def __getattr__(name: str):
-    """``vitattn.train`` and the other modules of the training half, imported on first use."""
+    """``vitattn.training``, ``vitattn.context`` and ``vitattn.detection``, imported on first use."""
     if name in _ON_USE:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -44,5 +43,5 @@ __all__ = [
     "apply_rope", "patchify", "rotate_qk", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
     "to_timm_state_dict",
     "unpatchify", "whitening_filters", "window_mask",
-    "context", "data", "datasets", "detection", "init", "longrange", "report", "scores", "train", "window",
+    "context", "datasets", "detection", "init", "scores", "training", "window",
 ]

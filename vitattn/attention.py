@@ -11,11 +11,11 @@ attention splits the width into ``heads`` independent attentions of width ``d`` 
 parallel (one batched matrix product) and joins them with the output projection ``proj``.
 
 :class:`Attention` is that computation and nothing else, in one screen: the ``qkv`` projection,
-the heads, the score ``q . k / sqrt(d)``, the softmax, the weighted sum, the join.
-:class:`MultiHeadAttention` composes the variants the ViT, the study and detection use around it,
-each a piece of its own: a score function (:mod:`vitattn.scores`: ``dot``, ``scaled_dot``,
-``general``, ``additive``, *different Q-K scores give different attention mechanisms*),
-cross-attention (keys and values from other tokens), masks, rotary position codes
+the heads, the score (``q . k / sqrt(d)`` by default), the softmax, the weighted sum, the join,
+for self- and cross-attention. :class:`MultiHeadAttention` composes the variants the ViT, the
+study and detection use around it, each a piece of its own: a score function by name
+(:mod:`vitattn.scores`: ``dot``, ``scaled_dot``, ``general``, ``additive``; *different Q-K
+scores give different attention mechanisms*), masks, rotary position codes
 (:func:`vitattn.pos_embed.rotate_qk`) and window attention (:mod:`vitattn.window`).
 
 Two paths compute the same thing and tests hold them equal: the fused kernel
@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .helpers import Size2, to_2tuple
 from .pos_embed import rotate_qk
-from .scores import SCORES
+from .scores import SCORES, ScaledDot
 from .window import window_attend, window_mask
 
 __all__ = ["SCORES", "Attention", "MultiHeadAttention", "merge_masks", "window_mask"]
@@ -84,19 +84,22 @@ def check_tokens(x: torch.Tensor, weight: torch.Tensor, name: str = "tokens") ->
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention as it is taught: ``(B, N, dim) -> (B, N, dim)``.
+    """Multi-head attention as it is taught: ``(B, N, dim) [+ context (B, Nk, context_dim)] -> (B, N, out_dim)``.
 
-    Q, K and V are three linear maps of the same tokens (one ``qkv`` layer); the width splits into
-    ``num_heads`` attentions of width ``d`` that run side by side; each query scores every key
-    with ``q . k / sqrt(d)``, a softmax turns the scores into weights, the weighted sum of the
-    values is the output, and ``proj`` joins the heads. :meth:`attend` holds the readable path and
-    the fused kernel beside it; tests hold them equal. The parameter names are timm's.
-    :class:`MultiHeadAttention` composes the variants around this class.
+    Q, K and V are linear maps of the tokens (one ``qkv`` layer; in cross-attention keys and
+    values come from ``context``, through separate ``q`` and ``kv`` layers when its width differs);
+    the width splits into ``num_heads`` attentions of width ``d`` that run side by side; each
+    query scores every key with ``score_fn`` (``q . k / sqrt(d)`` unless another is given), a
+    softmax turns the scores into weights, the weighted sum of the values is the output, and
+    ``proj`` joins the heads. :meth:`attend` holds the readable path and the fused kernel beside
+    it; tests hold them equal. The parameter names are timm's. :class:`MultiHeadAttention` adds
+    scores by name, masks, rotary codes and windows.
     """
 
-    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, out_dim: int | None = None,
-                 qkv_bias: bool = False, qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 fused: bool = True, norm_eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, context_dim: int | None = None,
+                 out_dim: int | None = None, score_fn: nn.Module | None = None, qkv_bias: bool = False,
+                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0, fused: bool = True,
+                 norm_eps: float = 1e-6) -> None:
         super().__init__()
         hidden_dim = hidden_dim or dim
         if hidden_dim % num_heads:
@@ -104,43 +107,53 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = d = hidden_dim // num_heads
         self.hidden_dim = hidden_dim
-        self.scale = d**-0.5
         self.fused = fused  # use the fused kernel wherever it computes the same thing
-        self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
+        self.cross = context_dim is not None and context_dim != dim  # keys and values from tokens of another width
+        if self.cross:
+            self.q = nn.Linear(dim, hidden_dim, bias=qkv_bias)
+            self.kv = nn.Linear(context_dim, 2 * hidden_dim, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
         self.q_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()  # Dehghani et al. 2023
         self.k_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
+        self.score_fn = score_fn if score_fn is not None else ScaledDot(num_heads, d)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(hidden_dim, out_dim or hidden_dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens -> per-head ``q, k, v``, each ``(B, heads, N, d)`` (views, no copies)."""
-        # Split q, k, v where they lie (axis 2) and only then move heads forward: the backward
-        # stacks the three gradients straight into qkv's layout, one copy where unbinding a
-        # 'three b h n d' view takes two (a stack, then a permuted clone).
-        qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=self.num_heads)
-        q, k, v = qkv.unbind(2)  # unpacked in one statement, as torch.fx traces it
-        q, k, v = (rearrange(t, "b n h d -> b h n d") for t in (q, k, v))
+    def project_qkv(self, x: torch.Tensor, context: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens (and ``context`` for keys and values) -> per-head ``q, k, v`` ``(B, heads, N, d)``."""
+        h, hd = self.num_heads, self.hidden_dim
+        if self.cross:
+            if context is None:
+                raise ValueError("this attention was built with context_dim for cross-attention; pass context=")
+            q, kv = self.q(x), self.kv(context)
+        elif context is None:
+            # Split q, k, v where they lie (axis 2) and only then move heads forward: the backward
+            # stacks the three gradients straight into qkv's layout, one copy where unbinding a
+            # 'three b h n d' view takes two (a stack, then a permuted clone).
+            qkv = rearrange(self.qkv(x), "b n (three h d) -> b n three h d", three=3, h=h)
+            q, k, v = qkv.unbind(2)  # unpacked in one statement, as torch.fx traces it
+            q, k, v = (rearrange(t, "b n h d -> b h n d") for t in (q, k, v))
+            return self.q_norm(q), self.k_norm(k), v
+        else:  # one qkv layer: queries from the tokens, keys and values from the context
+            w, b = self.qkv.weight, self.qkv.bias
+            q = F.linear(x, w[:hd], None if b is None else b[:hd])
+            kv = F.linear(context, w[hd:], None if b is None else b[hd:])
+        q = rearrange(q, "b n (h d) -> b h n d", h=h)
+        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
         return self.q_norm(q), self.k_norm(k), v
-
-    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The Q-K score, ``(B, heads, Nq, d), (B, heads, Nk, d) -> (B, heads, Nq, Nk)``."""
-        return (q * self.scale) @ k.transpose(-2, -1)
-
-    def fused_query(self, q: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        """``q`` and the scale that make the fused kernel's ``q . k * scale`` equal :meth:`scores`;
-        ``None`` when no such pair exists."""
-        return q, self.scale
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per head: ``(B, heads, Nq, d) -> (B, heads, Nq, d)``, and the weights when asked.
         ``mask`` is boolean, True where a query may attend to a key, broadcastable to
         ``(B, heads, Nq, Nk)``."""
-        fused = self.fused_query(q) if self.fused and not need_weights else None
+        fused = self.score_fn.fused(q) if self.fused and not need_weights else None
         if fused is not None:  # the same computation in one kernel, without the N x N weights
             return fused_attention(fused[0], k, v, mask, self.attn_drop.p if self.training else 0.0, fused[1]), None
-        s = self.scores(q, k)  # the readable path: score, mask, softmax, weighted sum
+        s = self.score_fn(q, k)  # the readable path: score, mask, softmax, weighted sum
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         weights = s.softmax(dim=-1)
@@ -150,27 +163,35 @@ class Attention(nn.Module):
         """``(B, heads, N, d) -> (B, N, out_dim)``: concatenate the heads, project, drop."""
         return self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
 
-    def forward(self, x: torch.Tensor, *, return_attention: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def attention(self, x: torch.Tensor, context: torch.Tensor | None = None, *, need_weights: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output and, when ``need_weights``, the weights ``(B, heads, Nq, Nk)`` (else None)."""
         check_tokens(x, self.proj.weight)
-        q, k, v = self.project_qkv(x)
-        out, weights = self.attend(q, k, v, need_weights=return_attention)
-        out = self.join_heads(out)
+        if context is not None:
+            check_tokens(context, self.proj.weight, "context tokens")
+        q, k, v = self.project_qkv(x, context)
+        out, weights = self.attend(q, k, v, need_weights=need_weights)
+        return self.join_heads(out), weights
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, return_attention: bool = False,
+                **options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output ``(B, Nq, out_dim)``; with ``return_attention=True`` the pair (output, weights
+        ``(B, heads, Nq, Nk)``). ``options`` go to :meth:`attention` (a ``MultiHeadAttention``'s
+        masks, grid and rotary codes)."""
+        out, weights = self.attention(x, context, need_weights=return_attention, **options)
         return (out, weights) if return_attention else out
 
 
 class MultiHeadAttention(Attention):
-    """:class:`Attention` with the variants composed around it:
-    ``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
+    """:class:`Attention` with the variants the ViT, the study and detection use composed
+    around it: ``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
 
     Args (besides :class:`Attention`'s):
-        context_dim: width of the tokens keys/values come from in cross-attention, when it
-            differs from ``dim``; then ``q`` and ``kv`` are separate projections, else one ``qkv``.
         score: a name in :data:`vitattn.scores.SCORES`, or a score module built for these heads
             (e.g. ``scores.Additive(heads, d, additive_dim=64)``).
         window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
-            ``grid`` in ``forward``. ``None`` is global attention.
-    Masks, rotary codes and the prefix tokens are arguments of :meth:`forward`.
+            ``grid``. ``None`` is global attention.
+    Masks, the patch grid, the prefix tokens and rotary codes are options of :meth:`attention`.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, context_dim: int | None = None,
@@ -179,64 +200,28 @@ class MultiHeadAttention(Attention):
                  window_size: int | Size2 | None = None, fused: bool = True, norm_eps: float = 1e-6) -> None:
         if isinstance(score, str) and score not in SCORES:
             raise ValueError(f"unknown score {score!r}; expected one of {tuple(SCORES)}")
-        super().__init__(dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                         attn_drop=attn_drop, proj_drop=proj_drop, fused=fused, norm_eps=norm_eps)
+        width = hidden_dim or dim
+        if width % num_heads:
+            raise ValueError(f"hidden width {width} is not divisible by the number of heads {num_heads}")
+        score_fn = SCORES[score](num_heads, width // num_heads) if isinstance(score, str) else score
+        super().__init__(dim, num_heads, hidden_dim=hidden_dim, context_dim=context_dim, out_dim=out_dim,
+                         score_fn=score_fn, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
+                         proj_drop=proj_drop, fused=fused, norm_eps=norm_eps)
         self.window_size = to_2tuple(window_size) if window_size is not None else None
-        if context_dim is not None and context_dim != dim:  # keys and values from other tokens
-            del self.qkv
-            self.q = nn.Linear(dim, self.hidden_dim, bias=qkv_bias)
-            self.kv = nn.Linear(context_dim, 2 * self.hidden_dim, bias=qkv_bias)
-        self.score_fn = SCORES[score](num_heads, self.head_dim) if isinstance(score, str) else score
-        # the score's name in SCORES, as ViTConfig.score spells it, whichever way it came
-        self.score = next((n for n, c in SCORES.items() if type(self.score_fn) is c), type(self.score_fn).__name__)
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return self.score_fn(q, k)
-
-    def fused_query(self, q: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        return self.score_fn.fused(q)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for old, new in (("score_weight", "score_fn.weight"), ("score_q", "score_fn.q"), ("score_k", "score_fn.k"),
-                         ("score_v", "score_fn.v")):  # checkpoints from before the scores were modules
-            if prefix + old in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    # -- forward ----------------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor, context: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens (and ``context`` for keys and values) -> per-head ``q, k, v`` ``(B, heads, N, d)``."""
-        if context is None and hasattr(self, "qkv"):
-            return super().project_qkv(x)
-        h = self.num_heads
-        if hasattr(self, "qkv"):  # one qkv layer, keys and values taken from the context
-            w, b = self.qkv.weight, self.qkv.bias
-            hd = self.hidden_dim
-            q = F.linear(x, w[:hd], None if b is None else b[:hd])
-            kv = F.linear(context, w[hd:], None if b is None else b[hd:])
-        else:
-            if context is None:
-                raise ValueError("this attention was built with context_dim for cross-attention; pass context=")
-            q, kv = self.q(x), self.kv(context)
-        q = rearrange(q, "b n (h d) -> b h n d", h=h)
-        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=h).unbind(0)
-        return self.q_norm(q), self.k_norm(k), v
-
-    def forward(
+    def attention(
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,
         *,
+        need_weights: bool = False,
         attn_mask: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         grid: Size2 | None = None,
         num_prefix_tokens: int = 0,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        return_attention: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``(B, Nq, dim) -> (B, Nq, out_dim)``; with ``return_attention=True`` also the weights
-        ``(B, heads, Nq, Nk)``.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output ``(B, Nq, out_dim)`` and, when ``need_weights``, the weights.
 
         Args:
             context: ``(B, Nk, context_dim)`` tokens for keys and values (cross-attention).
@@ -255,25 +240,21 @@ class MultiHeadAttention(Attention):
         if rope is not None:
             q, k = rotate_qk(q, k, rope)
         mask = merge_masks(attn_mask, key_padding_mask, q.shape, k.shape)
-        if self.window_size is not None:
-            if grid is None:
-                raise ValueError("window attention needs the patch grid: pass grid=(gh, gw)")
-            if context is not None or mask is not None:
-                raise ValueError("window attention is self-attention without masks")
-            if num_prefix_tokens + grid[0] * grid[1] != x.shape[1]:
-                raise ValueError(
-                    f"grid {tuple(grid)} with {num_prefix_tokens} prefix tokens means "
-                    f"{num_prefix_tokens + grid[0] * grid[1]} tokens, got {x.shape[1]}"
-                )
-            if return_attention:  # readable path: global attention restricted by a window mask
-                mask = window_mask(grid, self.window_size, num_prefix_tokens).to(x.device)
-                out, weights = self.attend(q, k, v, mask, need_weights=True)
-            else:
-                out, weights = window_attend(self.attend, q, k, v, grid, self.window_size, num_prefix_tokens), None
-        else:
-            out, weights = self.attend(q, k, v, mask, need_weights=return_attention)
-        out = self.join_heads(out)
-        return (out, weights) if return_attention else out
+        if self.window_size is None:
+            out, weights = self.attend(q, k, v, mask, need_weights=need_weights)
+            return self.join_heads(out), weights
+        if grid is None:
+            raise ValueError("window attention needs the patch grid: pass grid=(gh, gw)")
+        if context is not None or mask is not None:
+            raise ValueError("window attention is self-attention without masks")
+        if num_prefix_tokens + grid[0] * grid[1] != x.shape[1]:
+            raise ValueError(f"grid {tuple(grid)} with {num_prefix_tokens} prefix tokens means "
+                             f"{num_prefix_tokens + grid[0] * grid[1]} tokens, got {x.shape[1]}")
+        if need_weights:  # readable path: global attention restricted by a window mask
+            mask = window_mask(grid, self.window_size, num_prefix_tokens).to(x.device)
+            out, weights = self.attend(q, k, v, mask, need_weights=True)
+            return self.join_heads(out), weights
+        return self.join_heads(window_attend(self.attend, q, k, v, grid, self.window_size, num_prefix_tokens)), None
 
 
 def merge_masks(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, q_shape: torch.Size,

@@ -5,6 +5,7 @@ References: timm ``layers/helpers.py`` (``to_2tuple``) and ``layers/_fx.py`` / `
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -82,7 +83,8 @@ def check_float(name: str, value: object, low: float, high: float | None = None,
 def check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
     """Images must be floating point, in the weights' dtype unless autocast casts them."""
     if not x.is_floating_point():
-        raise TypeError(f"expected floating-point images (normalised, e.g. by vitattn.data.Normalize), got {x.dtype}")
+        raise TypeError(f"expected floating-point images (normalised, e.g. by vitattn.training.data.Normalize), got "
+                        f"{x.dtype}")
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"expected {weight.dtype} images, the model's dtype, got {x.dtype}; cast the images "
                         f"(x.to({weight.dtype})), convert the model (model.to({x.dtype})) or run under torch.autocast")
@@ -93,3 +95,21 @@ def is_tracing() -> bool:
     traced model takes one input size (timm's ``fixed_input_size``)."""
     trace = torch.fx._symbolic_trace
     return getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)()  # the first since torch 2.10
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_image(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3) -> int:
+    """Forward FLOPs of one image (``torch.utils.flop_counter``; a multiply-add counts 2).
+
+    Counted on a copy on the ``meta`` device: no arithmetic is done, and the layers take their
+    plain PyTorch path there, whose matrix products the counter sees.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ghost = copy.deepcopy(model).to("meta").eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ghost(torch.zeros(1, in_chans, *img_size, device="meta"))
+    return int(counter.get_total_flops())

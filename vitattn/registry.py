@@ -6,7 +6,6 @@ Each preset is a recipe: the model family, its config, and where the numbers com
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -56,40 +55,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                   "a small CIFAR CNN for smoke tests and first runs, ~0.2M params"),
 }
 
-# Names of earlier releases (old runs' config.json files carry them): each is today's preset plus
-# the fields that differ, so it builds the same model, with a FutureWarning (timm's habit).
-DEPRECATED: dict[str, tuple[str, dict[str, Any]]] = {
-    "vit_cifar_small_patch4_mlp4_depth8": ("vit_cifar10", {}),
-    "vit_cifar_small_patch4_mlp4": ("vit_cifar10", {"depth": 6}),
-    "vit_cifar_shallow_patch4_rope_gap_sincos": ("vit_longrange", {}),
-    "vit_cifar_shallow_patch4_gap_sincos": ("vit_longrange", {"use_rot_pos_emb": False}),
-    "vit_cifar_patch4_gap_sincos": ("vit_longrange", {"depth": 6, "use_rot_pos_emb": False}),
-    "vit_cifar_small_patch4": ("vit_quick", {}),
-    "vit_cifar_patch4": ("vit_quick", {"embed_dim": 192, "num_heads": 3}),
-    "vit_cifar_patch4_maxpool": ("vit_quick", {"embed_dim": 192, "num_heads": 3, "class_token": False,
-                                               "global_pool": "max"}),
-    "vit_cifar_lee_patch4": ("vit_quick", {"embed_dim": 192, "depth": 9, "num_heads": 12}),
-    "vit_cifar_patch2": ("vit_quick", {"patch_size": 2}),
-    "cnn_cifar_whiten": ("cnn_cifar10", {}),
-    "cnn_cifar_fast": ("cnn_cifar10", {"stem": "conv", "stem_width": 32}),
-    "cnn_cifar_gap": ("cnn_longrange", {}),
-    "cnn_cifar": ("cnn_longrange", {"global_pool": "max"}),
-    "cnn_cifar_small": ("cnn_quick", {}),
-    "bof_local": ("bof_longrange", {}),
-}
-
 _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}
-
-
-def resolve(name: str, overrides: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """``(preset, overrides)`` for a name of today or of an earlier release (with a FutureWarning)."""
-    overrides = dict(overrides or {})
-    if name not in DEPRECATED:
-        return name, overrides
-    new, fields_ = DEPRECATED[name]
-    shown = "".join(f", {k}={v!r}" for k, v in fields_.items())
-    warnings.warn(f"preset {name!r} is now create_model({new!r}{shown})", FutureWarning, stacklevel=3)
-    return new, {**fields_, **overrides}
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -114,7 +80,6 @@ def describe_models(pattern: str = "*", defaults: dict[str, dict[str, str]] | No
 
 def check_preset(name: str, families: Sequence[str] = ("vit", "cnn", "bof")) -> None:
     """Raise ``ValueError`` unless ``name`` is a preset of one of ``families``."""
-    name = DEPRECATED.get(name, (name,))[0]
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_models())}")
     if PRESETS[name][0] not in families:
@@ -123,7 +88,6 @@ def check_preset(name: str, families: Sequence[str] = ("vit", "cnn", "bof")) -> 
 
 def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
     """The config of a preset with overrides applied (unknown fields raise a ``TypeError``)."""
-    name, overrides = resolve(name, overrides)
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
     family, base, _ = PRESETS[name]
@@ -150,7 +114,6 @@ def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay:
     checkpoint (``.safetensors``, or a ``.pt`` from ``train_cifar.py``) after building;
     ``features_only=True`` returns a ``FeatureExtractor`` (the maps of ``out_indices``).
     """
-    name, overrides = resolve(name, overrides)
     cfg = get_config(name, **overrides)
     if pretrained:
         model = _timm_pretrained(name, cfg, overrides, pretrained_cfg_overlay)

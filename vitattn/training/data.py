@@ -29,14 +29,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .datasets import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+from ..datasets import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+from .errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 CACHE_VERSION = 1  # bump when the cache layout changes
-
-
-class DataError(RuntimeError):
-    """Data that is missing or unreadable; the message says how to supply it."""
 
 
 def how_to_supply(path: str | os.PathLike) -> str:

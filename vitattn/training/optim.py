@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +38,6 @@ def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None
     """Set every group's lr to ``lr`` times its ``lr_scale`` (1 when absent)."""
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
-
-
 
 
 def backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer | OptimizerChain, scaler: torch.amp.GradScaler,
@@ -184,32 +181,31 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and name.startswith("blocks.")
 
 
-def build_optimizer(model: nn.Module, r: Any) -> torch.optim.Optimizer | OptimizerChain:
-    """``'adamw'``, Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
+def create_optimizer(model: nn.Module, opt: str, lr: float, weight_decay: float, momentum: float = 0.9,
+                     beta2: float = 0.999, bias_lr_scale: float = 1.0) -> torch.optim.Optimizer | OptimizerChain:
+    """An optimiser by name, as timm's ``create_optimizer_v2``: ``'adamw'`` (betas ``(momentum,
+    beta2)``), Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
     0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
-    and AdamW on the rest. ``r`` holds the recipe's ``optimizer``, ``lr``, ``weight_decay``,
-    ``momentum``, ``beta2`` and ``bias_lr_scale`` (a ``vitattn.train.Recipe``, read by name: this
-    module imports nothing of the training half)."""
-    if r.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {r.optimizer!r}")
+    and AdamW on the rest. Biases, norms and position tables get no weight decay and
+    ``bias_lr_scale`` times the lr (:func:`param_groups`)."""
+    if opt not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {opt!r}")
     # CUDA: one fused kernel for all parameters (and a GradScaler that need not read found_inf on the
     # host); the CPU keeps the foreach path our measurements and exact-resume tests were made on
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    if r.optimizer == "sgd":
-        return torch.optim.SGD(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr, momentum=r.momentum,
-                               nesterov=True, **fused)
-    if r.optimizer == "adamw":
-        return torch.optim.AdamW(param_groups(model, r.weight_decay, r.bias_lr_scale), lr=r.lr,
-                                 betas=(r.momentum, r.beta2), **fused)
+    groups = param_groups(model, weight_decay, bias_lr_scale)
+    if opt == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, **fused)
+    if opt == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(momentum, beta2), **fused)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     matrices = [p for n, p in named if is_muon_param(n, p)]
     if not matrices:
         raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
-    muon = Muon(matrices, lr=r.lr, weight_decay=r.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    muon = Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
     keep = {id(p) for p in matrices}
-    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]}
-            for g in param_groups(model, r.weight_decay, r.bias_lr_scale)]
-    return OptimizerChain(muon, torch.optim.AdamW(rest, lr=r.lr, betas=(r.momentum, r.beta2), **fused))
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in keep]} for g in groups]
+    return OptimizerChain(muon, torch.optim.AdamW(rest, lr=lr, betas=(momentum, beta2), **fused))
 
 
 def ema_decay_at(decay: float, n: int) -> float:
@@ -253,8 +249,3 @@ class ModelEma(nn.Module):
 
     def set_extra_state(self, state: dict) -> None:
         self.updates = int(state["updates"])
-
-
-def model_ema(model: nn.Module, decay: float) -> ModelEma:
-    """``ModelEma(model, decay)``: the averaged weights a run keeps (``ema.module``)."""
-    return ModelEma(model, decay)

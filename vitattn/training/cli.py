@@ -12,20 +12,17 @@ failure mid-run (with the command that resumes it), 128 + the signal when stoppe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import hold, write_text_atomic
-from .errors import Signalled, UsageError  # noqa: F401  (the scripts take them from here with the rest)
+from .errors import Signalled, UsageError, preview
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> Any:
@@ -58,7 +55,7 @@ def preset_kwargs(flag: str, text: str, preset: str | None, refuse: tuple[str, .
     if refused:
         raise UsageError(f"{flag}: {', '.join(refused)} {why}; drop them from {flag}")
     if preset is not None:
-        from .registry import get_config
+        from ..registry import get_config
 
         try:
             get_config(preset, **kwargs)
@@ -134,12 +131,6 @@ def parse_config(p: argparse.ArgumentParser, cls: type, argv: list[str] | None,
 
 
 YAML_MAX_NODES = 10_000  # a config file is a few dozen values; aliases may not expand past this
-
-
-def preview(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters: what a message echoes back of an input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _expanded_nodes(node, sizes: dict[int, int | None]) -> int:
@@ -220,98 +211,6 @@ def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> di
     return out
 
 
-def options_in_use(saved: dict[str, Any], names) -> dict[str, Any]:
-    """The entries of a saved config among ``names`` that are set: not None, 0, False or empty."""
-    return {k: v for k, v in saved.items() if k in names and v not in (None, 0, 0.0, False, "", "{}")}
-
-
-class _RemovedOption(Exception):
-    """A saved run set an option the script no longer has."""
-
-
-def resumed_config(cls: type, run: str, script: str, missing: dict[str, Any] | None = None,
-                   removed: tuple[str, ...] = (), **keep: Any) -> Any:
-    """The config saved in the run folder ``run`` (its ``config.json``), as ``cls``, with ``resume``
-    and ``out`` set to the folder and the fields in ``keep`` taken from this command line.
-    ``missing`` gives what a field the saved config lacks meant before it was added (not today's
-    default, which would silently change the run); ``removed`` names fields since taken out, which
-    a saved run may hold if it left them off."""
-    folder = Path(run)
-    if not folder.is_dir():
-        raise UsageError(f"--resume {run}: no such run folder")
-    try:
-        saved = json.loads((folder / "config.json").read_text())
-        if not isinstance(saved, dict):
-            raise TypeError(f"expected a JSON object, got {type(saved).__name__}")
-        saved = {**(missing or {}), **saved}
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        used = options_in_use(saved, removed)
-        if used:  # an option the script no longer has, set: today's script would train another run
-            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
-            raise _RemovedOption(f"the run used {flags}, which {script} no longer has (the journal says why); it "
-                                 "cannot be continued by this version")
-        saved = {k: v for k, v in saved.items() if k not in removed}  # removed and left off: nothing changes
-        saved = {k: tuple(v) if isinstance(v, list) and known.get(k) and known[k].type.startswith("tuple") else v
-                 for k, v in saved.items()}
-        return cls(**{**saved, "resume": str(folder), "out": str(folder), **keep})
-    except FileNotFoundError:
-        raise UsageError(f"--resume {run}: no config.json there; expected a folder written by {script}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"--resume {run}: config.json is not valid JSON ({e}); nothing was changed") from None
-    except _RemovedOption as e:
-        raise UsageError(f"--resume {run}: {e}") from None
-    except (TypeError, UsageError) as e:
-        raise UsageError(f"--resume {run}: config.json does not describe a run ({e})") from None
-
-
-def check_resumed_config(cfg: Any, saved: dict | None, checkpoint: Path, unchecked: tuple[str, ...] = (),
-                         normalize: Callable[[str, Any], Any] = lambda k, v: v) -> None:
-    """Raise a UsageError when a resumed run's config (its folder's ``config.json``) differs from
-    the options its checkpoint was saved with, ``saved``, in a field not in ``unchecked``: an
-    edited batch size or number of epochs would otherwise train another run under the old name.
-    ``normalize(field, value)`` maps equivalent values to one (a checkpoint without options
-    passes)."""
-    if not saved:
-        return
-    now = dataclasses.asdict(cfg)
-
-    def same(k: str) -> bool:
-        a, b = normalize(k, now[k]), normalize(k, saved[k])
-        return a == b or (isinstance(a, tuple) and list(a) == b)
-
-    differ = [k for k in now if k not in unchecked and k in saved and not same(k)]
-    if differ:
-        k = differ[0]
-        raise UsageError(f"--resume {cfg.resume}: config.json no longer matches {Path(checkpoint).name}: {k} is "
-                         f"{preview(now[k])} there and {preview(saved[k])} in the checkpoint"
-                         + (f" (and {len(differ) - 1} more)" if len(differ) > 1 else "")
-                         + "; restore config.json, or start a new run")
-
-
-def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
-    """The run folder: ``out`` (default ``runs/<prefix><timestamp>``), which must be new or empty
-    unless resuming, and creatable. Nothing is created here."""
-    folder = Path(out or f"runs/{prefix}{time.strftime('%Y%m%d-%H%M%S')}")
-    if not resume and folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UsageError(f"--out {folder} is not a new or empty folder; continue a run there with --resume {folder} "
-                         "or choose another --out")
-    parent = next(p for p in (folder, *folder.absolute().parents) if p.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {folder} cannot be created: {parent} is not a writable folder")
-    return folder
-
-
-def start_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> None:
-    """Create the run folder checked by :func:`run_folder`, hold it for the run's life (its lock,
-    entered on ``stack``) and write ``config.json``; called once everything else is checked."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out} cannot be created ({e})") from None
-    stack.enter_context(hold(out, True))
-    write_text_atomic(out / "config.json", json.dumps({**dataclasses.asdict(config), "out": str(out)}, indent=1))
-
-
 def console_log(progress: bool) -> Callable[..., None]:
     """Print a line; with a progress bar, above it (``tqdm.write``), so lines never land on the bar."""
     if not progress:
@@ -330,7 +229,6 @@ def progress_bar(desc: str, total_steps: int | None, step: int, budget_s: float 
         return tqdm(total=round(budget_s / 60, 2), initial=round(seconds / 60, 2), desc=desc, unit="min", disable=None,
                     bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
     return tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=None)
-
 
 
 def _stop_before_training(signum, frame):

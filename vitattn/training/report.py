@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import read_jsonl, write_text_atomic
-from .context import (
+from ..context import (
     attention_entropy,
     attention_rollout,
     effective_receptive_field,
@@ -29,6 +28,7 @@ from .context import (
     mean_attention_distance,
     rollout_map,
 )
+from .runfolder import read_jsonl, write_text_atomic
 
 NAMES = {"vit": "ViT", "cnn": "CNN"}
 Figure = tuple[str, str]  # (file name, caption)

@@ -41,18 +41,9 @@ def all_reduce_(t: torch.Tensor, dd: Dist, op=None) -> torch.Tensor:
     return t
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Ctrl-C, devices, processes
 # ---------------------------------------------------------------------------------------------
-
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM reached a training loop at a step boundary (raised after it saved a checkpoint)."""
-
-
-class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or inf; the last good checkpoint is kept."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill, schedulers and containers send
@@ -259,7 +250,7 @@ def ranks_agree(model: nn.Module, dd: Dist) -> bool:
 def environment(device: torch.device, repo: Path | None = None) -> dict:
     """What ran this: device, CPU, library versions, and the git commit of ``repo`` (by default
     the folder holding the package, i.e. the checkout of an editable install)."""
-    from . import __version__
+    from .. import __version__
 
     env = {"device": str(device), "python": platform.python_version(), "torch": torch.__version__,
            "vitattn": __version__, "platform": platform.platform(), "threads": torch.get_num_threads(),
@@ -275,7 +266,7 @@ def environment(device: torch.device, repo: Path | None = None) -> dict:
         with contextlib.suppress(ImportError):
             env[mod] = __import__(mod).__version__
     try:
-        git = ["git", "-C", str(repo or Path(__file__).resolve().parents[1])]
+        git = ["git", "-C", str(repo or Path(__file__).resolve().parents[2])]
         env["git_commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
                                            timeout=10).stdout.strip() or None
         env["git_dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],

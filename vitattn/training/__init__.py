@@ -1,0 +1,20 @@
+"""The training half of vitattn: what ``train_cifar.py`` and ``examples/train_detection.py`` are
+built from, one concept per module, each importing only those listed before it.
+
+    errors       every error a run raises for input it refuses (imports nothing of ours)
+    cli          options declared once as dataclass fields; argparse, YAML defaults, exit statuses
+    runtime      devices, processes (torchrun), precision, stop signals, random states
+    runfolder    the run folder: created, locked, resumed; files that survive a crash
+    checkpoint   checkpoints written atomically, checked before loading, restored per rank
+    optim        optimisers by name (AdamW, SGD, Muon), parameter groups, the EMA of the weights
+    schedule     the learning rate as a function of the run's progress
+    data         CIFAR-style images as uint8 tensors, batches augmented on the device
+    longrange    the generated long-range task
+    recipes      how each model family trains by default
+    loop         one training loop; a task plugs in what a batch, its loss and an evaluation are
+    classify     classification as a task, with the options of train_cifar.py
+    report       a run's global-context measures, figures and report.md
+
+``vitattn.detection.DetectionTask`` is detection as a task of the same loop. ``import vitattn``
+does not load this package; ``import vitattn.training.loop`` (or any module) does.
+"""

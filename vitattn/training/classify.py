@@ -1,0 +1,349 @@
+"""Image classification (CIFAR-10, the long-range task) as a task of the training loop: the
+options of ``train_cifar.py``, the data on the device, the model for it, and the task itself
+(a batch of uint8 images, cross-entropy with label smoothing, accuracy with test-time
+augmentation, accuracy by distance on the long-range task).
+
+References: airbench (``airbench94.py``: normalisation on the fly, six-view test-time
+augmentation); DeiT for the ViT's recipe (``recipes.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import registry
+from ..helpers import flops_per_image, to_2tuple
+from . import cli, data, loop, optim, runtime
+from .cli import option
+from .errors import UsageError
+from .longrange import ATTRIBUTES, BACKGROUNDS, DISTANCE_EDGES, accuracy_by_distance, long_range_data
+from .recipes import DATASET_RECIPES, DEFAULT_PRESETS, RECIPES, Recipe
+from .runtime import Dist, all_reduce_, autocast
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
+    model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
+    vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
+    cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
+    vit_kwargs: str = option("{}", "JSON of ViT config fields over the preset's, e.g. '{\"depth\": 2}' (timm's "
+                             "--model-kwargs)")
+    cnn_kwargs: str = option("{}", "JSON of CNN config fields over the preset's, e.g. '{\"widths\": [64, 256]}'")
+    dataset: str = option("cifar10", "'long-range' is generated, no download", choices=("cifar10", "long-range"))
+    data_dir: str = option("./data", "cifar-10-batches-py folder, ImageFolder tree, or .tar.gz of one")
+    download: bool = option(False, "fetch CIFAR-10 through torchvision when --data-dir has none")
+    long_range_task: str = option("alignment", "the long-range label: 'alignment' (one row or one column? only "
+                                  "relating the two places tells), 'colour' / 'shape' (do the marks match? pooled "
+                                  "detectors count it) or 'pointing' (does the arrow point at the plus?)",
+                                  choices=ATTRIBUTES)
+    long_range_background: str = option("plain", "what the long-range marks are drawn on: 'plain' (one grey level: "
+                                        "finding the marks is trivial) or 'texture' (colour blobs, stripes and "
+                                        "noise: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
+    long_range_train: int = option(20_000, "images generated for training the long-range task")
+    long_range_test: int = option(4_000, "images generated for testing it")
+    limit_train: int | None = option(None, "use only the first N training images")
+    limit_test: int | None = option(None, "use only the first N test images")
+    epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
+    time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
+    flip: bool = option(True, "augmentation: random horizontal mirror")
+    seed: int = option(0, "seed for weights, batches and augmentation")
+    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
+    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
+                            choices=tuple(runtime.AMP_DTYPES))
+    bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
+    compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
+    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
+                         "'cuda:1' (one process)")
+    tf32: bool = option(True, "CUDA: TF32 matrix products and convolutions in fp32 runs (timm's default); "
+                        "--no-tf32 for exact fp32")
+    cudnn_benchmark: bool = option(True, "CUDA: let cuDNN time its convolution algorithms on first use and keep the "
+                                   "fastest")
+    channels_last: bool = option(True, "NHWC memory layout for the CNN")
+    tta: bool = option(True, "also report final accuracy over mirrored and shifted views")
+    eval_batch_size: int = option(500, "images per evaluation batch")
+    out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already",
+                             aliases=("--output",))
+    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+    context_images: int | None = option(None, "test images for the global-context measures (default: 128, or "
+                                        "the whole test set when smaller)")
+    progress: bool = option(True, "tqdm progress bar")
+    plots: bool = option(True, "write PNG plots (matplotlib)")
+
+    POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
+                "long_range_train", "long_range_test", "limit_train", "limit_test")
+    NON_NEGATIVE = ("weight_decay", "warmup_lr", "min_lr", "grad_clip", "translate", "cutout", "seed")
+    FRACTION = ("warmup", "momentum", "beta2", "label_smoothing", "model_ema_decay")  # in [0, 1)
+
+    def __post_init__(self) -> None:
+        cli.check_fields(self)
+        if self.bf16:
+            if self.amp and self.amp_dtype != "bfloat16":
+                raise UsageError(f"--bf16 means --amp --amp-dtype bfloat16, got --amp-dtype {self.amp_dtype} with it")
+            self.amp, self.amp_dtype = True, "bfloat16"
+        if self.seed >= 2**32:
+            raise UsageError(f"--seed must be below 2**32, got {self.seed}")
+        self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
+        self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
+        for slot, families in (("vit", ("vit",)), ("cnn", ("cnn", "bof"))):  # the CNN slot takes its control too
+            try:
+                registry.check_preset(getattr(self, f"{slot}_preset"), families)
+            except ValueError as e:
+                raise UsageError(f"--{slot}-preset: {e}") from None
+            self.model_kwargs(slot)  # checked here, so a typo stops the run before anything is written
+        for fam in self.models():
+            self.recipe(fam)  # a Recipe checks itself
+        if self.optimizer == "muon" and self.model != "vit":
+            raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
+                             f"{self.model}")
+
+    def model_kwargs(self, family: str) -> dict[str, Any]:
+        """``--vit-kwargs`` / ``--cnn-kwargs`` parsed and checked against the preset's config."""
+        # replacing what the data decides would train another model than the one asked for
+        return cli.preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
+                                 refuse=("img_size", "num_classes", "in_chans"),
+                                 why="come from the data (its image size, classes and channels)")
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast precision, or None for fp32."""
+        return runtime.AMP_DTYPES[self.amp_dtype] if self.amp else None
+
+    def models(self) -> list[str]:
+        return ["vit", "cnn"] if self.model == "both" else [self.model]
+
+    def preset(self, family: str) -> str:
+        return self.vit_preset if family == "vit" else self.cnn_preset
+
+    def recipe(self, family: str) -> Recipe:
+        """The family's recipe with the dataset's changes and this config's overrides applied."""
+        base = dataclasses.replace(RECIPES[family], **DATASET_RECIPES.get(self.dataset, {}).get(family, {}))
+        over = {f.name: getattr(self, f.name) for f in dataclasses.fields(Recipe)
+                if f.name != "epochs" and getattr(self, f.name, None) is not None}
+        return dataclasses.replace(base, **over)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dataset:
+    data: data.ImageData
+    norm: data.Normalize  # per-channel statistics of the training images
+    test_distance: torch.Tensor | None = None  # long-range: pixels between the marks, per test image
+
+
+def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
+    """The images of ``cfg.dataset`` as uint8 tensors, on ``dev`` when it is an accelerator: batches
+    are then indexed, augmented and normalised there, and the host does no per-image work (airbench)."""
+    distance = None
+    if cfg.dataset == "long-range":
+        images, distance = long_range_data(cfg.long_range_train, cfg.long_range_test, seed=cfg.seed,
+                                           attribute=cfg.long_range_task, background=cfg.long_range_background)
+    else:
+        images = data.load_cifar(cfg.data_dir, download=cfg.download)
+    if cfg.limit_train:
+        images.train_x, images.train_y = images.train_x[: cfg.limit_train], images.train_y[: cfg.limit_train]
+    if cfg.limit_test:
+        images.test_x, images.test_y = images.test_x[: cfg.limit_test], images.test_y[: cfg.limit_test]
+        distance = None if distance is None else distance[: cfg.limit_test]
+    if cfg.context_images is not None and cfg.context_images > len(images.test_x):
+        raise UsageError(f"--context-images must be at most the {len(images.test_x)} test images, got "
+                         f"{cfg.context_images}")
+    norm = data.Normalize(*data.channel_stats(images.train_x))
+    if dev is None or dev.type == "cpu":
+        return Dataset(images, norm, distance)
+    return Dataset(images.to(dev), norm.to(dev), distance)
+
+
+def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world: int = 1) -> nn.Module:
+    """The family's preset for the data's classes and image size (a ViT's position table is sized
+    from the images), with its forward FLOPs per image in ``model.flops``; the preset and the
+    family's recipe are checked against the data (over ``world`` processes) before anything is
+    written. The weights depend on ``cfg.seed`` only: every rank and every resume starts alike."""
+    preset, kwargs, images = cfg.preset(family), cfg.model_kwargs(family), ds.data
+    size = tuple(images.train_x.shape[-2:])
+    over: dict[str, Any] = {**kwargs, "num_classes": len(images.classes)}
+    if family == "vit":
+        patch = to_2tuple(registry.get_config(preset, **kwargs).patch_size)
+        if size[0] % patch[0] or size[1] % patch[1]:
+            raise UsageError(f"the images are {size[0]}x{size[1]}, which {preset}'s {patch[0]}x{patch[1]} patches "
+                             "do not tile; choose a ViT preset whose patch size divides the image size")
+        over["img_size"] = size
+    torch.manual_seed(cfg.seed)
+    model = registry.create_model(preset, **over).to(dev)
+    try:
+        model.flops = flops_per_image(model, size)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"{preset} cannot take {size[0]}x{size[1]} images: {e}") from e
+    cfg.recipe(family).check_data(family, size, len(images.train_x), world)
+    if hasattr(model, "init_stem"):  # data-dependent stems (whitening) are set from 5,000 training images
+        model.init_stem(ds.norm(images.train_x[:5000]))
+    if family == "cnn" and cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def context_sample(seed: int, n: int | None, num_test: int) -> torch.Tensor:
+    """The fixed test images the global-context measures look at (indices): ``n`` of them, by
+    default 128 or all when fewer."""
+    n = n or min(128, num_test)
+    return torch.randperm(num_test, generator=data.step_generator(seed, -1))[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and the task
+# ---------------------------------------------------------------------------------------------
+
+
+def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """airbench's views: the image and its mirror (``pair``), and both shifted one pixel up-left
+    and down-right with reflect padding, each with its mirror (``four``)."""
+    pair = (logits.softmax(1) + model(xb.flip(3)).float().softmax(1)) / 2
+    padded = F.pad(xb, (1, 1, 1, 1), mode="reflect")
+    shifted = torch.cat([padded[..., :-2, :-2], padded[..., 2:, 2:]])
+    four = model(torch.cat([shifted, shifted.flip(3)])).float().softmax(1).view(4, len(xb), -1).mean(0)
+    return pair, four
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
+             device: torch.device | str = "cpu", dd: Dist | None = None, channels_last: bool = False,
+             tta: bool = False, amp_dtype: torch.dtype | None = None) -> dict:
+    """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
+
+    With ``tta`` also ``acc_tta`` (softmax averaged over each image and its mirror) and
+    ``acc_tta_shift`` (airbench's six views, its ``tta_level=2``: half weight on that pair, half
+    on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy.
+    ``amp_dtype`` runs the model under autocast. Sums stay on ``device`` (what NCCL reduces) and
+    are read once at the end, so a GPU is not stalled after every batch.
+    """
+    dd = dd or Dist()
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    idx = torch.arange(dd.rank, len(x), dd.world, device=x.device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, flip-TTA, 6-view, count
+    hits = torch.zeros(len(x), dtype=torch.int32, device=device)
+    for j in idx.split(batch_size):
+        xb = norm(x[j].to(device))
+        if channels_last:
+            xb = xb.contiguous(memory_format=torch.channels_last)
+        yb = y[j].to(device)
+        with autocast(device, amp_dtype):
+            logits = model(xb).float()
+        ok = logits.argmax(1) == yb
+        sums[0] += F.cross_entropy(logits, yb, reduction="sum")
+        sums[1] += ok.sum()
+        sums[4] += len(j)
+        hits[j.to(device)] = ok.int()
+        if tta:
+            with autocast(device, amp_dtype):
+                pair, four = _tta_probs(model, xb, logits)
+            sums[2] += (pair.argmax(1) == yb).sum()
+            sums[3] += ((pair + four).argmax(1) == yb).sum()
+    model.train(was_training)
+    all_reduce_(sums, dd)
+    all_reduce_(hits, dd)
+    loss, correct, flip, views, count = (sums / sums[4]).tolist()
+    out = {"loss": loss, "acc": correct, "hits": hits.bool().cpu()}
+    if tta:
+        out["acc_tta"], out["acc_tta_shift"] = flip, views
+    return out
+
+
+class ClassifyTask:
+    """Classification as a task of ``loop``: batches of uint8 images from a ``data.BatchLoader``
+    (augmented and normalised on the device), cross-entropy with label smoothing, test loss and
+    accuracy after each epoch, and at the end accuracy with test-time augmentation (``tta``) and,
+    given each test image's ``test_distance`` and the bins' ``distance_edges``, by distance."""
+
+    score = "test_acc"
+
+    def __init__(self, family: str, loader: data.BatchLoader, norm: nn.Module, test_x: torch.Tensor,
+                 test_y: torch.Tensor, *, device: torch.device, dd: Dist, label_smoothing: float = 0.0,
+                 amp_dtype: torch.dtype | None = None, channels_last: bool = False, eval_batch_size: int = 500,
+                 tta: bool = True, test_distance: torch.Tensor | None = None,
+                 distance_edges: tuple[int, ...] = ()) -> None:
+        self.family, self.loader, self.norm = family, loader, norm
+        self.test_x, self.test_y, self.device, self.dd = test_x, test_y, device, dd
+        self.label_smoothing, self.amp_dtype, self.channels_last = label_smoothing, amp_dtype, channels_last
+        self.eval_batch_size, self.tta = eval_batch_size, tta
+        self.test_distance, self.distance_edges = test_distance, distance_edges
+        self.steps_per_epoch, self.batch_size = len(loader), loader.batch_size
+
+    def batches(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.loader.epoch(epoch, start_step)
+
+    def loss(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        xb, yb = batch
+        x = self.norm(xb)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with autocast(x.device, self.amp_dtype):
+            logits = net(x)
+            loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+        return loss, (logits.argmax(1) == yb).sum(), len(yb)
+
+    def _evaluate(self, model: nn.Module, tta: bool) -> dict:
+        return evaluate(model, self.norm, self.test_x, self.test_y, batch_size=self.eval_batch_size,
+                        device=self.device, dd=self.dd, channels_last=self.channels_last, tta=tta,
+                        amp_dtype=self.amp_dtype)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        ev = self._evaluate(model, False)
+        return {"test_loss": ev["loss"], "test_acc": ev["acc"]}
+
+    def final(self, model: nn.Module) -> dict[str, Any]:
+        ev = self._evaluate(model, self.tta)
+        out = {"final_acc": ev["acc"], "final_loss": ev["loss"]}
+        if self.tta:
+            out["final_acc_tta"], out["final_acc_tta_shift"] = ev["acc_tta"], ev["acc_tta_shift"]
+        if self.test_distance is not None:
+            out["accuracy_by_distance"] = accuracy_by_distance(ev["hits"], self.test_distance, self.distance_edges)
+        return out
+
+    def log_line(self, metrics: dict[str, float]) -> str:
+        return f"test loss {metrics['test_loss']:.4f} acc {metrics['test_acc']:.4f}"
+
+
+def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, dd: Dist) -> ClassifyTask:
+    """The task of training ``family`` as ``cfg`` says on ``ds``: this rank's shard of the
+    training images in batches of its recipe, augmented as it says."""
+    r = cfg.recipe(family)
+    augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode)
+    loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True,
+                              drop_last=True, augment=augment, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
+    return ClassifyTask(family, loader, ds.norm, ds.data.test_x, ds.data.test_y, device=device, dd=dd,
+                        label_smoothing=r.label_smoothing, amp_dtype=cfg.autocast_dtype(),
+                        channels_last=family == "cnn" and cfg.channels_last, eval_batch_size=cfg.eval_batch_size,
+                        tta=cfg.tta, test_distance=ds.test_distance,
+                        distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()))
+
+
+def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, dd: Dist,
+              ckpt: Path, ck: dict | None = None) -> loop.Run:
+    """``loop.start`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
+    and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps."""
+    r = cfg.recipe(family)
+    task = classify_task(family, cfg, ds, device, dd)
+    epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
+    return loop.start(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), ck=ck, ckpt=ckpt,
+                      lr_at=r.lr_at, grad_clip=r.grad_clip,
+                      total_steps=math.ceil(epochs * task.steps_per_epoch) if epochs is not None else None,
+                      budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, dd=dd,
+                      seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
+                      compile=cfg.compile, config=dataclasses.asdict(cfg))

@@ -1,0 +1,485 @@
+"""Object detection on a COCO-format folder as a task of the training loop: the options of
+``examples/train_detection.py``, the folder read and checked whole before the first step, the
+detector (a ViTDet pyramid on a vitattn ViT, or torchvision's ResNet with an FPN), and the task
+itself (the sum of the detector's losses; COCO box AP from pycocotools after each epoch).
+
+References: torchvision's ``references/detection`` (COCO loading, augmentation policies,
+evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight decay 0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import registry
+from ..detection import (
+    DETECTORS,
+    SCALE_FACTORS,
+    ViTDetBackbone,
+    autocast_backbone,
+    build_detector,
+    coco_eval,
+    coco_results,
+)
+from .cli import check_fields, option, preset_kwargs
+from .data import read_image
+from .errors import UsageError, preview
+from .runtime import AMP_DTYPES, Dist
+
+RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
+
+
+AUGMENTATIONS = ("hflip", "ssd", "none")  # torchvision references' --data-augmentation policies
+
+
+@dataclass
+class Config:
+    data_dir: str | None = option(None, "COCO-format folder: annotations/instances_<split>.json and <split>/ images")
+    train_split: str = option("train", "training split name")
+    val_split: str = option("val", "evaluation split name")
+    detector: str = option("fasterrcnn", "torchvision detector", choices=DETECTORS)
+    model: str = option("vit_small_patch16_224", "backbone: a vitattn ViT preset (--list-models in train_cifar.py) "
+                        "or torchvision's " + "/".join(RESNETS) + " with an FPN")
+    model_kwargs: str = option("{}", "JSON of ViT config fields over the preset's (timm's --model-kwargs)")
+    pretrained: bool = option(False, "start the ViT from timm's weights (its hub cache, or --pretrained-file)")
+    pretrained_file: str | None = option(None, "local .safetensors / .pth / .npz file of timm's weights")
+    initial_checkpoint: str | None = option(None, "start the ViT from a vitattn checkpoint (timm's name)")
+    strides: tuple[int, ...] = option((4, 8, 16, 32), "pyramid strides, finest first; a pooled level at twice "
+                                      "the last is added")
+    out_channels: int = option(256, "pyramid width")
+    window_size: int | None = option(None, "ViTDet window attention of this size in all blocks but every third")
+    min_size: int = option(800, "the detector resizes images so the short side is this (torchvision's)")
+    max_size: int = option(1333, "... and the long side at most this")
+    aug: str = option("hflip", "training augmentation, as torchvision's references", choices=AUGMENTATIONS)
+    epochs: int = option(12, "passes over the training images")
+    time_budget: float | None = option(None, "minutes of training steps; ends the run if reached first")
+    batch_size: int = option(2, "images per step, global: split evenly over the processes of a torchrun")
+    lr: float = option(1e-4, "AdamW peak learning rate")
+    weight_decay: float = option(0.1, "weight decay (not on biases, norms, position tables)")
+    warmup: float = option(0.02, "fraction of the run spent warming up the lr, in [0, 1); then cosine to 0")
+    model_ema_decay: float = option(0.0, "keep and evaluate an exponential moving average of the weights with this "
+                                         "decay (timm's --model-ema-decay), in [0, 1); 0 = off")
+    clip_grad: float = option(1.0, "max gradient norm; 0 = off", aliases=("--grad-clip",))
+    workers: int = option(min(8, os.cpu_count() or 1), "data loading processes (default: the CPUs, at most 8); 0 "
+                          "loads in this one", aliases=("-j",))
+    limit_train: int | None = option(None, "use only the first N training images")
+    limit_val: int | None = option(None, "evaluate only the first N val images")
+    detections_per_img: int = option(100, "detections kept per image, as COCO scores them")
+    score_thresh: float = option(0.05, "detections scoring below this are dropped before COCO scoring (torchvision's "
+                                 "R-CNN default; its FCOS default, 0.2, would cut recall)")
+    amp: bool = option(False, "mixed precision: the backbone under autocast in --amp-dtype, heads and boxes in fp32")
+    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
+                            choices=tuple(AMP_DTYPES))
+    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
+                         "'cuda:1' (one process)")
+    seed: int = option(0, "seed for weights, data order and augmentation")
+    progress: bool = option(True, "tqdm progress bar")
+    out: str | None = option(None, "run folder (default: runs/detection-<timestamp>); must not hold a run",
+                             aliases=("--output",))
+    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+
+    POSITIVE = ("strides", "out_channels", "window_size", "min_size", "max_size", "epochs", "time_budget",
+                "batch_size", "lr", "limit_train", "limit_val", "detections_per_img")
+    NON_NEGATIVE = ("weight_decay", "clip_grad", "workers", "seed")
+    FRACTION = ("warmup", "score_thresh", "model_ema_decay")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.resume and not self.data_dir:
+            raise UsageError("--data-dir is needed: a COCO-format folder (annotations/instances_<split>.json, "
+                             "<split>/ images)")
+        if self.model not in RESNETS and self.model not in registry.PRESETS:
+            raise UsageError(f"--model {self.model!r} is neither a vitattn preset nor one of {tuple(RESNETS)}")
+        if self.model in registry.PRESETS and registry.PRESETS[self.model][0] != "vit":
+            raise UsageError(f"--model {self.model} is a {registry.PRESETS[self.model][0]} preset; the detection "
+                             "backbone is a ViT preset or a torchvision ResNet")
+        vit_only = [flag for flag, on in (("--pretrained", self.pretrained),
+                                          ("--pretrained-file", self.pretrained_file),
+                                          ("--initial-checkpoint", self.initial_checkpoint),
+                                          ("--window-size", self.window_size),
+                                          ("--model-kwargs", self.model_kwargs != "{}")) if on]
+        if self.model in RESNETS and vit_only:
+            raise UsageError(f"{', '.join(vit_only)} apply to a ViT backbone, not {self.model}")
+        if list(self.strides) != sorted(set(self.strides)):
+            raise UsageError(f"--strides must be distinct and finest first, got {list(self.strides)}")
+        if self.model in RESNETS and not set(self.strides) <= {4, 8, 16, 32}:
+            raise UsageError(f"a ResNet's levels have strides 4, 8, 16 and 32, got --strides {list(self.strides)}")
+        if self.min_size > self.max_size:
+            raise UsageError(f"--min-size must not exceed --max-size, got {self.min_size} > {self.max_size}")
+        self.kwargs()  # a bad JSON or field stops the run before anything is written
+
+    def kwargs(self) -> dict[str, Any]:
+        preset = self.model if self.model in registry.PRESETS else None
+        return preset_kwargs("--model-kwargs", self.model_kwargs, preset)
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        return AMP_DTYPES[self.amp_dtype] if self.amp else None
+
+
+@dataclass
+class Split:
+    dataset: torch.utils.data.Dataset  # (image float (3, H, W) in [0, 1], target dict)
+    coco: Any  # pycocotools.coco.COCO of the split's annotation file
+    image_ids: list[int]
+    odd: dict[str, int]  # legal but odd: boxes clamped, boxes dropped, crowd regions, images without boxes
+
+
+class CocoTargets:
+    """The first transform: crowd regions out of the training targets (torchvision's references
+    train on ``iscrowd == 0`` only), category ids to labels ``1..K``, and an image with no
+    annotation given empty ``boxes`` / ``labels`` so every target has the same keys."""
+
+    def __init__(self, label_of: dict[int, int], masks: bool) -> None:
+        self.label_of, self.masks = label_of, masks
+
+    def __call__(self, image, target: dict) -> tuple[Any, dict]:
+        from torchvision import tv_tensors
+        from torchvision.transforms.v2 import functional as TF
+
+        h, w = TF.get_size(image)
+        if "boxes" not in target:  # CocoDetection's wrapper returns only the id of an empty image
+            target = {**target, "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                      "iscrowd": [], **({"masks": torch.zeros(0, h, w, dtype=torch.uint8)} if self.masks else {})}
+        keep = torch.tensor([not c for c in target["iscrowd"]], dtype=torch.bool)
+        out = {"image_id": target["image_id"],
+               "boxes": tv_tensors.BoundingBoxes(torch.as_tensor(target["boxes"])[keep], format="XYXY",
+                                                 canvas_size=(h, w)),
+               "labels": torch.tensor([self.label_of[int(c)] for c in target["labels"][keep]], dtype=torch.int64)}
+        if self.masks:
+            out["masks"] = tv_tensors.Mask(target["masks"][keep])
+        return image, out
+
+
+def augmentation(policy: str) -> list:
+    """torchvision references' detection policies: ``hflip`` (their default), ``ssd`` (photometric
+    distortion, zoom out, IoU crop, flip: for training from scratch on small data), ``none``."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    if policy == "hflip":
+        return [v2.RandomHorizontalFlip(0.5)]
+    if policy == "ssd":  # zoom out fills with ImageNet's mean colour, masks with 0
+        return [v2.RandomPhotometricDistort(), v2.RandomZoomOut(fill={tv_tensors.Image: (123, 117, 104), "others": 0}),
+                v2.RandomIoUCrop(), v2.RandomHorizontalFlip(0.5)]
+    return []
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_coco(ann: Path, images: Path) -> dict[str, int]:
+    """The whole split checked before the first step: the annotation file's types, keys and ids
+    (each image and annotation id once; every annotation's image and category known), every file
+    name inside the image folder, and every image's header (it opens, 8-bit samples, the size the
+    file states). Bad data raises a UsageError naming the file, the id and what is wrong. Returns
+    what is legal but odd, as torchvision's references treat it: boxes crossing the image's edge
+    (clamped to it), boxes empty once clamped (dropped), crowd regions, images without boxes."""
+    from PIL import Image, UnidentifiedImageError
+
+    def bad(what: str) -> UsageError:
+        return UsageError(f"{ann}: {what}")
+
+    try:
+        data = json.loads(ann.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{ann} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise bad(f"expected a JSON object with 'images', 'annotations' and 'categories', got {type(data).__name__}")
+    cats, sizes, root = set(), {}, images.resolve()
+    for c in data.get("categories") or []:
+        if not isinstance(c, dict) or isinstance(c.get("id"), bool) or not isinstance(c.get("id"), int):
+            raise bad(f"category {preview(c)}: needs an integer 'id'")
+        if c["id"] in cats:
+            raise bad(f"category id {c['id']} is listed twice")
+        cats.add(c["id"])
+    for im in data.get("images") or []:
+        if not isinstance(im, dict) or isinstance(im.get("id"), bool) or not isinstance(im.get("id"), int):
+            raise bad(f"image {preview(im)}: needs an integer 'id'")
+        name = im.get("file_name")
+        if not isinstance(name, str) or not name:
+            raise bad(f"image {im['id']}: needs a 'file_name' string, got {preview(name)}")
+        if im["id"] in sizes:
+            raise bad(f"image id {im['id']} is listed twice (file names {preview(sizes[im['id']][0])} and "
+                      f"{preview(name)}); each image needs its own id")
+        path = (images / name).resolve()
+        if not path.is_relative_to(root):
+            raise bad(f"image {im['id']}: file_name {preview(name)} points outside {images}")
+        if not path.is_file():
+            raise bad(f"image {im['id']}: {path.name} is not in {images}")
+        try:
+            with Image.open(path) as f:
+                mode, size = f.mode, f.size
+                if f.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientation: read_image turns it upright
+                    size = size[::-1]
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise bad(f"image {im['id']}: {name} is not an image that opens ({e})") from None
+        if mode.startswith(("I", "F")):  # 16- or 32-bit samples: reading them as RGB would clip to 255
+            raise bad(f"image {im['id']}: {name} has {mode} samples; expected 8-bit images (RGB, grey or palette)")
+        stated = (im.get("width"), im.get("height"))
+        if None not in stated and tuple(stated) != size:
+            raise bad(f"image {im['id']}: {name} is {size[0]}x{size[1]}, the file states {stated[0]}x{stated[1]}")
+        sizes[im["id"]] = (name, size)
+    counts = dict(clamped=0, dropped=0, crowd=0, images_without_boxes=0)
+    seen, boxed = set(), set()
+    for a in data.get("annotations") or []:
+        aid = a.get("id") if isinstance(a, dict) else None
+        if isinstance(aid, bool) or not isinstance(aid, int):
+            raise bad(f"annotation {preview(a)}: needs an integer 'id'")
+        if aid in seen:
+            raise bad(f"annotation id {aid} is listed twice")
+        seen.add(aid)
+        for key, known, what in (("image_id", sizes, "image"), ("category_id", cats, "category")):
+            if a.get(key) not in known or isinstance(a.get(key), bool):
+                raise bad(f"annotation {aid}: {key} {preview(a.get(key))} is not a listed {what} id")
+        box = a.get("bbox")
+        if not isinstance(box, list) or len(box) != 4 or not all(_number(v) for v in box):
+            raise bad(f"annotation {aid}: bbox must be 4 numbers [x, y, width, height], got {preview(box)}")
+        if a.get("iscrowd", 0) not in (0, 1):
+            raise bad(f"annotation {aid}: iscrowd must be 0 or 1, got {preview(a.get('iscrowd'))}")
+        if a.get("iscrowd", 0):
+            counts["crowd"] += 1
+            continue
+        w, h = sizes[a["image_id"]][1]
+        x0, y0, x1, y1 = box[0], box[1], box[0] + box[2], box[1] + box[3]
+        cx0, cy0, cx1, cy1 = max(x0, 0), max(y0, 0), min(x1, w), min(y1, h)
+        if (cx0, cy0, cx1, cy1) != (x0, y0, x1, y1):
+            counts["clamped"] += 1
+        if cx1 - cx0 < 1 or cy1 - cy0 < 1:
+            counts["dropped"] += 1
+        else:
+            boxed.add(a["image_id"])
+    counts["images_without_boxes"] = len(set(sizes) - boxed)
+    return counts
+
+
+def load_split(cfg: Config, split: str, train: bool) -> Split:
+    """One split of the folder, checked: missing files, a file that is not COCO's format, missing
+    images and an empty split are UsageErrors that name what was expected."""
+    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+    from torchvision.transforms import v2
+
+    root = Path(cfg.data_dir)
+    ann, images = root / "annotations" / f"instances_{split}.json", root / split
+    if not root.is_dir():
+        raise UsageError(f"--data-dir {root}: no such folder")
+    for path, what in ((ann, "annotation file"), (images, "image folder")):
+        if not path.exists():
+            raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
+                             f"instances_<split>.json and <split>/ holding its images)")
+    odd = check_coco(ann, images)
+
+    class Coco(CocoDetection):
+        def _load_image(self, id: int):  # train_cifar.py's reader: EXIF orientation, any 8-bit mode to RGB
+            return read_image(Path(self.root) / self.coco.loadImgs(id)[0]["file_name"])
+
+    try:
+        with contextlib.redirect_stdout(None):  # pycocotools prints its progress
+            ds = Coco(str(images), str(ann))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{ann} is not valid JSON ({e})") from None
+    except (AssertionError, KeyError, TypeError) as e:
+        raise UsageError(f"{ann} is not a COCO instances file (needs 'images', 'annotations' and 'categories' "
+                         f"lists; {type(e).__name__}: {e})") from None
+    coco = ds.coco
+    lists = [k for k in ("images", "annotations", "categories") if not isinstance(coco.dataset.get(k), list)]
+    if lists:
+        raise UsageError(f"{ann} is not a COCO instances file: {', '.join(repr(k) for k in lists)} must be lists")
+    cat_ids = sorted(coco.getCatIds())
+    if not cat_ids:
+        raise UsageError(f"{ann} lists no categories")
+    unknown = sorted({a["category_id"] for a in coco.dataset["annotations"]} - set(cat_ids))
+    if unknown:
+        raise UsageError(f"{ann}: annotations name categories {unknown[:5]} that 'categories' does not list")
+    ids = list(ds.ids)
+    if train:  # as torchvision's references: images without a usable box teach nothing to most detectors
+        ids = [i for i in ids if any(usable(a, coco.imgs[i]) for a in coco.imgToAnns[i])]
+    ids = ids[:cfg.limit_train if train else cfg.limit_val]
+    if not ids:
+        raise UsageError(f"{ann}: no {'annotated ' if train else ''}images in split {split!r}")
+    if not any(usable(a, coco.imgs[i]) for i in ids for a in coco.imgToAnns[i]):
+        raise UsageError(f"{ann}: no box in split {split!r} is usable once clamped to its image: nothing to "
+                         f"{'learn' if train else 'score'}")
+    masks = cfg.detector == "maskrcnn"
+    if masks and any("segmentation" not in a for i in ids for a in coco.imgToAnns[i]):
+        raise UsageError(f"--detector maskrcnn learns masks: every annotation in {ann} needs a 'segmentation'")
+    missing = [coco.imgs[i]["file_name"] for i in ids if not (images / coco.imgs[i]["file_name"]).is_file()]
+    if missing:
+        raise UsageError(f"{len(missing)} image(s) named in {ann} are not in {images}, e.g. {missing[:3]}")
+    steps = [CocoTargets({c: k + 1 for k, c in enumerate(cat_ids)}, masks), v2.ToImage(),
+             *(augmentation(cfg.aug) if train else []), v2.ToDtype(torch.float32, scale=True)]
+    if train:  # boxes clamped to the image, then those left (or made by augmentation) empty dropped
+        steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes()]
+    ds.transforms = v2.Compose(steps)
+    keys = ("image_id", "boxes", "labels", "iscrowd") + (("masks",) if masks else ())
+    wrapped = wrap_dataset_for_transforms_v2(ds, target_keys=keys)
+    position = {image_id: k for k, image_id in enumerate(ds.ids)}
+    return Split(torch.utils.data.Subset(wrapped, [position[i] for i in ids]), coco, ids, odd)
+
+
+def usable(a: dict, image: dict) -> bool:
+    """A box that is no crowd region and keeps at least a pixel each way once clamped to its image."""
+    x, y, w, h = a["bbox"]
+    return (not a.get("iscrowd", 0) and min(x + w, image.get("width", x + w)) - max(x, 0) >= 1
+            and min(y + h, image.get("height", y + h)) - max(y, 0) >= 1)
+
+
+def collate(batch: list) -> tuple[list, list]:
+    return tuple(zip(*batch))
+
+
+class ResNetFPN(nn.Module):
+    """torchvision's ResNet trunk (random init, BatchNorm) with its FPN on the layers of the given
+    strides and a max-pooled level: ``out_channels`` and ``strides`` as ``build_detector`` reads."""
+
+    def __init__(self, name: str, strides: tuple[int, ...], out_channels: int) -> None:
+        super().__init__()
+        import torchvision
+        from torchvision.models.detection.backbone_utils import BackboneWithFPN
+        from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+        layer = {4: 1, 8: 2, 16: 3, 32: 4}
+        top = RESNETS[name]
+        self.body = BackboneWithFPN(getattr(torchvision.models, name)(weights=None),
+                                    {f"layer{layer[s]}": str(i) for i, s in enumerate(strides)},
+                                    [top // 2 ** (4 - layer[s]) for s in strides], out_channels,
+                                    extra_blocks=LastLevelMaxPool())
+        self.out_channels = out_channels
+        self.strides = {**{str(i): s for i, s in enumerate(strides)}, "pool": 2 * strides[-1]}
+
+    def forward(self, x: torch.Tensor):
+        return self.body(x)
+
+
+def build_model(cfg: Config, num_classes: int) -> nn.Module:
+    """The detector: a ViTDet pyramid on the ViT (or a ResNet + FPN) with ``cfg.strides``."""
+    if cfg.model in RESNETS:
+        backbone = ResNetFPN(cfg.model, cfg.strides, cfg.out_channels)
+    else:
+        overlay = dict(file=cfg.pretrained_file) if cfg.pretrained_file else None
+        vit = registry.create_model(cfg.model, pretrained=cfg.pretrained or bool(overlay),
+                                   pretrained_cfg_overlay=overlay, checkpoint_path=cfg.initial_checkpoint,
+                                   **cfg.kwargs())
+        patch = vit.patch_embed.patch_size[0]
+        grid = math.ceil(cfg.max_size / patch)  # the token grid's longest side at any image size
+        if cfg.window_size is not None and cfg.window_size >= grid:
+            raise UsageError(f"--window-size {cfg.window_size} covers the whole token grid (at most {grid}x{grid} "
+                             f"with --max-size {cfg.max_size} and patch {patch}): that is global attention at a "
+                             "higher cost; leave --window-size unset, or give one below " + str(grid))
+        scales = [patch / s for s in cfg.strides]
+        if not set(scales) <= set(SCALE_FACTORS):
+            raise UsageError(f"--strides {list(cfg.strides)} with patch {patch}: ViTDet's pyramid makes strides "
+                             f"{[int(patch / s) for s in SCALE_FACTORS if patch / s == int(patch / s)]} from it")
+        backbone = ViTDetBackbone(vit, cfg.out_channels, scale_factors=scales, window_size=cfg.window_size)
+    box = "box_" if cfg.detector in ("fasterrcnn", "maskrcnn") else ""  # the R-CNNs' names start with box_
+    detector = build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
+                              **{f"{box}detections_per_img": cfg.detections_per_img,
+                                 f"{box}score_thresh": cfg.score_thresh})
+    return autocast_backbone(detector, cfg.autocast_dtype())  # --amp: the backbone; boxes stay fp32
+
+
+# where and how a run executes and shows, not what it trains: a resume may move them
+UNCHECKED_ON_RESUME = ("resume", "out", "device", "workers", "progress", "data_dir")
+
+
+def to_device(images: list, targets: list, dev: torch.device) -> tuple[list, list]:
+    return ([im.to(dev, non_blocking=True) for im in images],
+            [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets])
+
+
+class DetectionTask:
+    """Detection as a task of ``loop``: this rank's share of the training split in a fixed
+    permutation per ``(seed, epoch)`` (a resumed epoch skips what was trained on), the sum of the
+    detector's losses, and COCO box AP on the val split after each epoch (ranks detect on their
+    share of the val images; rank 0 scores them all with pycocotools)."""
+
+    family = "detector"
+    score = "map"
+    counts_hits = False  # a detector's loss has no accuracy to count
+
+    def __init__(self, train: Split, val: Split, category_ids: list[int], *, batch_size: int, workers: int,
+                 seed: int, device: torch.device, dd: Dist, max_dets: int = 100) -> None:
+        self.train, self.val, self.category_ids = train, val, category_ids
+        self.batch_size, self.workers, self.seed = batch_size, workers, seed
+        self.device, self.dd, self.max_dets = device, dd, max_dets
+        self.shard = len(train.dataset) // dd.world  # equal shards: the ranks step in lockstep
+        if self.shard < 1:
+            raise UsageError(f"{len(train.dataset)} training image(s) cannot be shared by {dd.world} processes")
+        self.steps_per_epoch = math.ceil(self.shard / batch_size)
+        self.last: dict[str, float] | None = None
+
+    def _loader(self, split: Split, order: list[int]) -> torch.utils.data.DataLoader:
+        """Batches in ``order`` (positions in the split), in pinned memory for a GPU, so that their
+        copies there do not make the host wait."""
+        return torch.utils.data.DataLoader(split.dataset, batch_size=self.batch_size, sampler=order, shuffle=False,
+                                           num_workers=self.workers, collate_fn=collate, persistent_workers=False,
+                                           pin_memory=self.device.type == "cuda")
+
+    def order(self, epoch: int) -> list[int]:
+        """This rank's images of ``epoch``: a fixed permutation per ``(seed, epoch)``, cut to equal shards."""
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        order = torch.randperm(len(self.train.dataset), generator=g)[: self.shard * self.dd.world]
+        return order[self.dd.rank::self.dd.world].tolist()
+
+    def batches(self, epoch: int, start_step: int) -> Iterator[tuple[list, list]]:
+        return iter(self._loader(self.train, self.order(epoch)[start_step * self.batch_size:]))
+
+    def loss(self, net: nn.Module, batch: tuple[list, list]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        images, targets = to_device(*batch, self.device)
+        loss = sum(net(images, targets).values())  # --amp's autocast is inside, around the backbone
+        return loss, torch.zeros((), device=self.device), len(images)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """COCO box AP (pycocotools, against the val split's annotation file)."""
+        was_training = model.training
+        model.eval()
+        detections = []
+        mine = list(range(self.dd.rank, len(self.val.dataset), self.dd.world))
+        for images, targets in self._loader(self.val, mine):
+            outputs = model([im.to(self.device) for im in images])
+            for t, o in zip(targets, outputs):
+                detections += coco_results(t["image_id"], {k: v.cpu() for k, v in o.items()}, self.category_ids)
+        model.train(was_training)
+        if self.dd.world > 1:
+            every: list = [None] * self.dd.world
+            dist.all_gather_object(every, detections)
+            detections = [d for part in every for d in part]
+        ap = [coco_eval(self.val.coco, detections, self.val.image_ids, max_dets=self.max_dets) if self.dd.main
+              else None]
+        if self.dd.world > 1:
+            dist.broadcast_object_list(ap, src=0)
+        self.last = {k: v for k, v in ap[0].items() if k != "per_class"}
+        return self.last
+
+    def final(self, model: nn.Module) -> dict[str, Any]:
+        """The last evaluation when it was of these weights (the kept ones are evaluated last)."""
+        ev = self.last if self.last is not None else self.evaluate(model)
+        return {f"final_{k}": v for k, v in ev.items()}
+
+    def log_line(self, metrics: dict[str, float]) -> str:
+        return f"AP {metrics['map']:.4f} AP50 {metrics['map_50']:.4f}"
+
+
+def detection_task(cfg: Config, device: torch.device, dd: Dist) -> DetectionTask:
+    """The folder's splits, loaded and checked whole, as a task; their categories must agree."""
+    if cfg.batch_size % dd.world:
+        raise UsageError(f"--batch-size is the global batch and must split evenly over the {dd.world} processes, "
+                         f"got {cfg.batch_size}; use a multiple of {dd.world}")
+    train, val = load_split(cfg, cfg.train_split, True), load_split(cfg, cfg.val_split, False)
+    category_ids = [0, *sorted(train.coco.getCatIds())]  # label k -> category_ids[k]; 0 is the background
+    if sorted(val.coco.getCatIds()) != category_ids[1:]:
+        raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
+    return DetectionTask(train, val, category_ids, batch_size=cfg.batch_size // dd.world, workers=cfg.workers,
+                         seed=cfg.seed, device=device, dd=dd, max_dets=cfg.detections_per_img)

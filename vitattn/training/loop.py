@@ -1,0 +1,320 @@
+"""One training loop for every task: a task says what a batch is, what its loss is and how the
+model is evaluated; the loop does the rest the same way for all of them.
+
+    task.batches(epoch, start_step)  -> this rank's batches of an epoch, from a step on (resume)
+    task.loss(net, batch)            -> (loss, hits, images) of one batch, on the device
+    task.evaluate(model)             -> the metrics of an epoch's end   {"test_loss": .., "test_acc": ..}
+    task.final(model)                -> the metrics of the end of the run, with the kept weights
+
+The loop steps the optimiser on the schedule (by steps or by a time budget, whichever is further
+along), keeps an EMA of the weights, evaluates and checkpoints after each epoch and on Ctrl-C
+(resume at any step: the batches of a step depend on ``(seed, epoch, step, rank)`` only), and
+under ``torchrun`` keeps the ranks in step: they agree on the clock, a NaN and a stop every
+``READ_EVERY`` steps, which are also the only steps where the host waits for a GPU.
+
+References: timm's ``train.py`` (``train_one_epoch`` / ``validate``); airbench (the clock counts
+training steps only).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..helpers import count_params
+from . import checkpoint, optim, runfolder, runtime
+from .errors import Interrupted, NonFiniteLoss
+from .schedule import run_progress
+
+# Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
+# torchrun's ranks agree on the clock, Ctrl-C and a NaN there, so they stop at the same step.
+READ_EVERY = 50
+
+
+class Task(Protocol):
+    """What the loop trains: classification (``classify.ClassifyTask``), detection
+    (``vitattn.detection.DetectionTask``)."""
+
+    family: str  # the checkpoint's name for the model: 'vit', 'cnn', 'detector'
+    score: str  # the key of ``evaluate``'s metrics that the best-so-far tracks
+    steps_per_epoch: int
+    batch_size: int  # images per step on this rank
+
+    def batches(self, epoch: int, start_step: int) -> Iterator[Any]: ...
+
+    def loss(self, net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]: ...
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
+
+    def final(self, model: nn.Module) -> dict[str, Any]: ...
+
+    def log_line(self, metrics: dict[str, float]) -> str: ...
+
+
+@dataclass
+class TrainState:
+    """Where a run is; everything in it loads with ``torch.load(weights_only=True)``."""
+
+    epoch: int = 0  # current epoch (0-based)
+    step_in_epoch: int = 0  # batches of this epoch already taken
+    global_step: int = 0
+    train_seconds: float = 0.0  # time in training steps, summed over sessions
+    images_seen: int = 0  # on this rank
+    data_seconds: float = 0.0  # time making batches
+    compile_seconds: float = 0.0  # compiling: each session's first step, kept off the clock and the budget
+    loss_sum: float = 0.0  # over this epoch's steps so far
+    correct_sum: int = 0
+    count: int = 0
+    best: float = 0.0  # the best ``task.score`` at an epoch's end
+    done: bool = False
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One model's training: what the loop reads and updates."""
+
+    task: Task
+    model: nn.Module
+    net: nn.Module  # the model as stepped: wrapped in DDP and / or compiled
+    opt: torch.optim.Optimizer | optim.OptimizerChain
+    lr_at: Callable[[float], float]  # the learning rate at a progress in [0, 1]
+    grad_clip: float
+    total_steps: int | None
+    budget_s: float | None  # seconds of training steps
+    ckpt: Path
+    device: torch.device
+    dd: runtime.Dist
+    scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
+    precision: str
+    ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
+    compiling: bool = False  # the next step compiles the model (first step of a session)
+    config: dict | None = None  # the run's options, saved with each checkpoint
+    extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
+    st: TrainState = field(default_factory=TrainState)
+    running: torch.Tensor | None = None  # (loss sum, hits) since the loop last read them, on the device
+    started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
+
+    def progress(self) -> float:
+        return run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
+
+    def images_per_s(self) -> float:
+        return self.st.images_seen * self.dd.world / max(self.st.train_seconds, 1e-9)
+
+    def save(self, rng: list[dict], result: dict | None = None) -> None:
+        """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
+        extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        if self.scaler.is_enabled():
+            extra["scaler"] = self.scaler.state_dict()
+        checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                "state": asdict(self.st), "rng": rng, "family": self.task.family,
+                                "config": self.config, "result": result or {}, **self.extra, **extra}, self.ckpt)
+
+
+def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, ck: dict | None,
+          ckpt: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
+          budget_s: float | None, device: torch.device, dd: runtime.Dist, seed: int,
+          amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
+          config: dict | None = None, extra: dict | None = None) -> Run:
+    """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``ck`` (read and checked by
+    ``checkpoint.resume_checkpoint``) when resuming. ``amp_dtype`` only names the precision and
+    sets up fp16's gradient scaler: the task runs its forward pass under autocast."""
+    ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    st = TrainState()
+    restored = False
+    if ck is not None:
+        restored = checkpoint.restore(ck, model, opt, scaler, device, dd.rank)
+        st = TrainState(**ck["state"])
+        if ema is not None and not st.done:
+            ema.load_state_dict(ck["ema"])
+    if not restored:
+        torch.manual_seed(seed + 17 * dd.rank)  # each rank's own dropout / drop-path stream
+    return Run(task=task, model=model, net=runtime.wrap_model(model, dd, device, compile), opt=opt, lr_at=lr_at,
+               grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, ckpt=ckpt, device=device, dd=dd,
+               scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
+               compiling=compile, config=config, extra=extra or {}, st=st,
+               running=torch.zeros(2, dtype=torch.float64, device=device))
+
+
+def train_step(run: Run, batch: Any) -> int:
+    """One optimiser step; its loss and hits are added to ``run.running`` on the device, so
+    nothing here waits for a GPU. Returns the batch's images."""
+    optim.set_lr(run.opt, run.lr_at(run.progress()))
+    loss, hits, n = run.task.loss(run.net, batch)
+    optim.backward_step(loss, run.opt, run.scaler, run.model.parameters(), run.grad_clip)
+    if run.ema is not None:
+        run.ema.update_parameters(run.model)
+    # float64 sums of float32 losses are exact, so they do not depend on when they are read
+    run.running += torch.stack([loss.detach().double() * n, hits.double()])
+    return n
+
+
+def read_running(run: Run, bar) -> None:
+    """Move the device's running sums into the train state (waits for a GPU)."""
+    loss, correct = run.running.tolist()
+    run.running.zero_()
+    st = run.st
+    st.loss_sum += loss
+    st.correct_sum += int(correct)
+    if bar is not None:
+        bar.set_postfix(loss=f"{st.loss_sum / max(st.count, 1):.3f}", acc=f"{st.correct_sum / max(st.count, 1):.3f}",
+                        img_s=f"{st.images_seen / max(st.train_seconds, 1e-9):.0f}")
+
+
+def check_stop(run: Run, stop: runtime.StopFlag, pending_s: float) -> None:
+    """Add ``pending_s`` of step time to the run's clock, then raise NonFiniteLoss or Interrupted
+    when the loss read so far is not finite or Ctrl-C came. A torchrun's ranks agree first (the
+    slowest clock, any NaN, any Ctrl-C), so their clocks, lr schedules and stops stay equal."""
+    st = run.st
+    seconds, nonfinite, stopping = st.train_seconds + pending_s, not math.isfinite(st.loss_sum), stop.set
+    if run.dd.world > 1:
+        flags = torch.tensor([seconds, nonfinite, stopping], dtype=torch.float64, device=run.device)
+        seconds, nonfinite, stopping = runtime.all_reduce_(flags, run.dd, dist.ReduceOp.MAX).tolist()
+    st.train_seconds = seconds
+    if nonfinite:  # a NaN on any rank poisons the averaged gradients of all
+        raise NonFiniteLoss(f"[{run.task.family}] loss is {st.loss_sum / max(st.count, 1)} by epoch {st.epoch} step "
+                            f"{st.step_in_epoch}; stopping. The last good checkpoint is kept at "
+                            f"{run.ckpt if run.ckpt.exists() else '(none yet)'}. Lower --lr or set --grad-clip.")
+    if stopping:  # before the forward pass, which would move BatchNorm statistics
+        raise Interrupted
+
+
+def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
+    """Steps until the epoch or the budget ends; raises Interrupted at a step boundary on Ctrl-C.
+    A single process checks Ctrl-C and the budget at every step (host values only); a torchrun's
+    ranks every ``READ_EVERY`` steps, and their clocks move only then."""
+    st, world = run.st, run.dd.world
+    if st.step_in_epoch == 0:
+        st.loss_sum, st.correct_sum, st.count = 0.0, 0, 0
+    batches = run.task.batches(st.epoch, st.step_in_epoch)
+    pending = 0.0  # step seconds not yet on the clock (a torchrun's, until its ranks agree)
+    while st.step_in_epoch < run.task.steps_per_epoch:
+        t0 = time.perf_counter()
+        due = st.global_step % READ_EVERY == 0
+        if due or (world == 1 and stop.set):
+            read_running(run, bar)
+        if due or world == 1:
+            check_stop(run, stop, pending)
+            pending = 0.0
+        if run.progress() >= 1.0:
+            break
+        batch = next(batches)
+        t1 = time.perf_counter()
+        n = train_step(run, batch)
+        st.global_step += 1
+        st.step_in_epoch += 1
+        st.count += n
+        if run.compiling:  # compiling is not training: reported apart, and the budget is for steps
+            run.compiling = False
+            st.compile_seconds += time.perf_counter() - t0
+        else:
+            st.data_seconds += t1 - t0
+            st.images_seen += n
+            if world == 1:
+                st.train_seconds += time.perf_counter() - t0
+            else:
+                pending += time.perf_counter() - t0
+        if bar is not None:
+            bar.update((round(min(st.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
+    t0 = time.perf_counter()
+    read_running(run, bar)  # waits for the last steps' GPU work, which the clock must count
+    check_stop(run, stop, pending + time.perf_counter() - t0)
+
+
+def end_epoch(run: Run, metrics: Path, log) -> None:
+    """After an epoch (or the budget): checkpoint, evaluate, write a line of ``metrics``, and
+    checkpoint again with the evaluation's outcome unless the run is done (``finish`` saves it)."""
+    st, task, dd = run.st, run.task, run.dd
+    ended = st.step_in_epoch >= task.steps_per_epoch
+    at = st.epoch + (1.0 if ended else st.step_in_epoch / task.steps_per_epoch)
+    if ended:
+        st.epoch, st.step_in_epoch = st.epoch + 1, 0
+    runtime.average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
+    if run.ema is not None:
+        runtime.average_buffers(run.ema.module, dd)
+    rng = runtime.all_rng_states(run.device, dd)  # a collective: every rank's streams go into rank 0's file
+    if dd.main:  # before evaluating: an evaluation that fails (a detector's, in pycocotools) cannot cost the epoch
+        run.save(rng)
+    ev = task.evaluate(run.model)
+    raw = {}
+    if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
+        raw = {f"{k}_no_ema": v for k, v in ev.items()}
+        ev = task.evaluate(run.ema.module)
+    st.best = max(st.best, ev[task.score])
+    sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=run.device)
+    sums = runtime.all_reduce_(sums, dd).tolist()
+    line = dict(model=task.family, epoch=round(at, 4),
+                step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
+                train_acc=float(sums[1] / max(sums[2], 1)), **ev, lr=run.lr_at(run.progress()),
+                train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
+                data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
+    if not getattr(task, "counts_hits", True):
+        del line["train_acc"]
+    st.done = run.progress() >= 1.0  # after the evaluation: a resume of a run stopped by it evaluates again
+    if not st.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
+        rng = runtime.all_rng_states(run.device, dd)
+    if dd.main:
+        runfolder.append_jsonl(metrics, line)
+        acc = f" acc {line['train_acc']:.4f}" if "train_acc" in line else ""
+        log(f"[{task.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f}{acc} | "
+            f"{task.log_line(ev)} | {line['images_per_s']:.0f} img/s, {st.train_seconds:.0f} s")
+        if not st.done:
+            run.save(rng)
+
+
+def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
+    """The final evaluation (``task.final``) of the weights the run keeps (the EMA's when it has
+    one), saved in the checkpoint with the run's figures and ``info``; returns them."""
+    wall_s = time.perf_counter() - run.started
+    st, model, dd, task = run.st, run.model, run.dd, run.task
+    rows = [m for m in runfolder.read_jsonl(metrics) if m["model"] == task.family] if dd.main else []
+    raw = {}
+    if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
+        if rows:  # the last epoch's line already tested these raw weights
+            raw = {f"final_{k.removeprefix('test_')}": v for k, v in rows[-1].items() if k.endswith("_no_ema")}
+        model.load_state_dict(run.ema.module.state_dict())
+    final = task.final(model)
+    name = task.score.removeprefix("test_")  # test_acc: final_acc, best_acc
+    result = dict(family=task.family, params=count_params(model), epochs=rows[-1]["epoch"] if rows else st.epoch,
+                  steps=st.global_step, **final, **{f"best_{name}": max(st.best, final[f"final_{name}"])},
+                  train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
+                  data_share=st.data_seconds / max(st.train_seconds, 1e-9), batch_per_rank=task.batch_size,
+                  world_size=dd.world, precision=run.precision, wall_seconds=wall_s,
+                  compile_seconds=st.compile_seconds, **raw, **(info or {}))
+    if dd.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
+        result["ranks_agree"] = runtime.ranks_agree(model, dd)
+    rng = runtime.all_rng_states(run.device, dd)
+    if dd.main:
+        run.save(rng, result)
+    return result
+
+
+def fit(run: Run, metrics: Path, stop: runtime.StopFlag, log, bar=None, info: dict | None = None) -> dict:
+    """Train ``run`` to its end (from where its state is), evaluating after each epoch; returns
+    ``finish``'s result. Raises Interrupted (after saving a checkpoint) or NonFiniteLoss (keeping
+    the last one). Lines of ``metrics`` written after the checkpoint it resumes from are dropped."""
+    if run.dd.main:
+        step, family = run.st.global_step, run.task.family
+        runfolder.filter_jsonl(metrics, lambda m: m["model"] != family or m["step"] <= step)
+    run.model.train()
+    try:
+        while run.progress() < 1.0:
+            train_epoch(run, stop, bar)
+            end_epoch(run, metrics, log)
+    except Interrupted:  # every rank stops at the same step (check_stop), so all gather
+        rng = runtime.all_rng_states(run.device, run.dd)
+        if run.dd.main:
+            run.save(rng)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return finish(run, metrics, info)
