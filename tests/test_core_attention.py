@@ -302,3 +302,17 @@ def test_a_score_module_is_a_piece_of_its_own():
         torch.testing.assert_close(fq @ kk.transpose(-2, -1) * scale, s(qq, kk))
 
 
+
+
+def test_a_forward_hook_on_a_blocks_attention_sees_each_call():
+    """Blocks call their attention through the module (not a method of it), so hooks registered
+    on ``attn`` (a common way to read attention out of a model) fire in every forward."""
+    import vitattn
+
+    model = vitattn.create_model("vit_quick", num_classes=3).eval()
+    seen = []
+    model.blocks[0].attn.register_forward_hook(lambda m, args, out: seen.append(out))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+        model.get_attention_maps(torch.randn(2, 3, 32, 32))
+    assert len(seen) == 2 and torch.is_tensor(seen[0]) and isinstance(seen[1], tuple)

@@ -116,8 +116,10 @@ class Block(nn.Module):
         return_attention: bool = False,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        a, weights = self.attn.attention(self.norm1(x), grid=grid, num_prefix_tokens=num_prefix_tokens, rope=rope,
-                                         need_weights=return_attention)
+        # through the module's call, so hooks on ``attn`` see it; the pair only when asked
+        a = self.attn(self.norm1(x), grid=grid, num_prefix_tokens=num_prefix_tokens, rope=rope,
+                      return_attention=return_attention)
+        a, weights = a if return_attention else (a, None)
         x = x + self.drop_path1(self.ls1(a))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, weights) if return_attention else x
