@@ -272,6 +272,8 @@ class ClassifyTask:
     given each test image's ``test_distance`` and the bins' ``distance_edges``, by distance."""
 
     score = "test_acc"
+    data_on_clock = True  # indexing and augmenting the batch on the device is part of the step (airbench)
+    counts_hits = True
 
     def __init__(self, family: str, loader: data.BatchLoader, norm: nn.Module, test_x: torch.Tensor,
                  test_y: torch.Tensor, *, device: torch.device, dd: Dist, label_smoothing: float = 0.0,

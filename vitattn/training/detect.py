@@ -407,6 +407,7 @@ class DetectionTask:
     family = "detector"
     score = "map"
     counts_hits = False  # a detector's loss has no accuracy to count
+    data_on_clock = False  # reading and decoding image files is not training: off the clock and the budget
 
     def __init__(self, train: Split, val: Split, category_ids: list[int], *, batch_size: int, workers: int,
                  seed: int, device: torch.device, dd: Dist, max_dets: int = 100) -> None:

@@ -47,6 +47,8 @@ class Task(Protocol):
     score: str  # the key of ``evaluate``'s metrics that the best-so-far tracks
     steps_per_epoch: int
     batch_size: int  # images per step on this rank
+    data_on_clock: bool  # making a batch counts as training time (in-memory tensors) or not (files read)
+    counts_hits: bool  # ``loss`` counts correct predictions (an accuracy to log) or returns zero
 
     def batches(self, epoch: int, start_step: int) -> Iterator[Any]: ...
 
@@ -218,10 +220,11 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
         else:
             st.data_seconds += t1 - t0
             st.images_seen += n
+            step_s = time.perf_counter() - (t0 if run.task.data_on_clock else t1)
             if world == 1:
-                st.train_seconds += time.perf_counter() - t0
+                st.train_seconds += step_s
             else:
-                pending += time.perf_counter() - t0
+                pending += step_s
         if bar is not None:
             bar.update((round(min(st.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
     t0 = time.perf_counter()
@@ -256,7 +259,7 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
                 train_acc=float(sums[1] / max(sums[2], 1)), **ev, lr=run.lr_at(run.progress()),
                 train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
                 data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
-    if not getattr(task, "counts_hits", True):
+    if not task.counts_hits:
         del line["train_acc"]
     st.done = run.progress() >= 1.0  # after the evaluation: a resume of a run stopped by it evaluates again
     if not st.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
