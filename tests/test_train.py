@@ -436,6 +436,45 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
         assert torch.equal(v, resumed["modules"][family].state_dict()[k]), k
 
 
+@pytest.mark.parametrize("after_line", [False, True], ids=["during-the-evaluation", "after-its-line"])
+def test_a_crash_at_an_epoch_s_evaluation_loses_no_line_and_writes_none_twice(tmp_path, folder, monkeypatch,
+                                                                              after_line):
+    """Each epoch is checkpointed before it is evaluated. A crash during the evaluation, or after
+    its metrics line but before the checkpoint that follows, resumes to the evaluation: every
+    line once, the metrics and weights of a run that never stopped."""
+    from vitattn.training import loop, runfolder
+
+    ref = T.main(tiny(tmp_path / "ref", folder, epochs=3))
+    cfg = tiny(tmp_path / "run", folder, epochs=3)
+    evaluate, append = classify.ClassifyTask.evaluate, runfolder.append_jsonl
+    calls = {"n": 0}
+
+    def crash_in_epoch_2(self, model):
+        calls["n"] += 1
+        if calls["n"] == 2 and not after_line:
+            raise RuntimeError("the machine went away")
+        return evaluate(self, model)
+
+    def crash_after_epoch_2_line(path, row):
+        append(path, row)
+        if row.get("epoch") == 2.0:
+            raise RuntimeError("the machine went away")
+
+    monkeypatch.setattr(classify.ClassifyTask, "evaluate", crash_in_epoch_2)
+    monkeypatch.setattr(loop.runfolder, "append_jsonl", crash_after_epoch_2_line if after_line else append)
+    with pytest.raises(RuntimeError, match="went away"):
+        T.main(cfg)
+    ck = torch.load(Path(cfg.out) / "checkpoints" / "cnn.pt", weights_only=True)
+    assert ck["state"]["eval_at"] == 2.0 and ck["state"]["epoch"] == 2
+    monkeypatch.setattr(classify.ClassifyTask, "evaluate", evaluate)
+    monkeypatch.setattr(loop.runfolder, "append_jsonl", append)
+    resumed = T.main(T.Config(resume=cfg.out, progress=False))
+    assert [r["epoch"] for r in metrics(cfg.out)] == [1.0, 2.0, 3.0]
+    assert scores(metrics(cfg.out)) == scores(metrics(ref["out"]))
+    for k, v in ref["modules"]["cnn"].state_dict().items():
+        assert torch.equal(v, resumed["modules"]["cnn"].state_dict()[k]), k
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_a_stop_signal_on_the_command_line_saves_and_exits_cleanly(tmp_path, folder, sig, code):
     """Ctrl-C, and SIGTERM as kill, schedulers and containers send it: a checkpoint, 128 + signal."""
@@ -692,7 +731,7 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     ck = out / "checkpoints" / "cnn.pt"
     deadline = time.time() + 120
-    while not (ck.exists() and len(metrics(out)) >= 3):
+    while not (ck.exists() and (out / "metrics.jsonl").exists() and len(metrics(out)) >= 3):
         assert time.time() < deadline and proc.poll() is None, "the run ended before it could be killed"
         time.sleep(0.02)
     proc.kill()

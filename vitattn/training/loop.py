@@ -76,6 +76,7 @@ class TrainState:
     correct_sum: int = 0
     count: int = 0
     best: float = 0.0  # the best ``task.score`` at an epoch's end
+    eval_at: float = 0.0  # the epoch mark of an evaluation due (checkpointed before it), else 0
     done: bool = False
 
 
@@ -233,19 +234,27 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
 
 
 def end_epoch(run: Run, metrics: Path, log) -> None:
-    """After an epoch (or the budget): checkpoint, evaluate, write a line of ``metrics``, and
-    checkpoint again with the evaluation's outcome unless the run is done (``finish`` saves it)."""
-    st, task, dd = run.st, run.task, run.dd
-    ended = st.step_in_epoch >= task.steps_per_epoch
-    at = st.epoch + (1.0 if ended else st.step_in_epoch / task.steps_per_epoch)
+    """After an epoch (or the budget): checkpoint, then ``evaluate_epoch``. The checkpoint comes
+    first, so an evaluation that fails (a detector's, in pycocotools) cannot cost the epoch; it
+    records the evaluation as due (``eval_at``), so a resume from it evaluates before training on."""
+    st, dd = run.st, run.dd
+    ended = st.step_in_epoch >= run.task.steps_per_epoch
+    st.eval_at = round(st.epoch + (1.0 if ended else st.step_in_epoch / run.task.steps_per_epoch), 4)
     if ended:
         st.epoch, st.step_in_epoch = st.epoch + 1, 0
     runtime.average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
     if run.ema is not None:
         runtime.average_buffers(run.ema.module, dd)
     rng = runtime.all_rng_states(run.device, dd)  # a collective: every rank's streams go into rank 0's file
-    if dd.main:  # before evaluating: an evaluation that fails (a detector's, in pycocotools) cannot cost the epoch
+    if dd.main:
         run.save(rng)
+    evaluate_epoch(run, metrics, log)
+
+
+def evaluate_epoch(run: Run, metrics: Path, log) -> None:
+    """The due evaluation: a line of ``metrics``, then a checkpoint with it done (unless the run
+    is done: ``finish`` saves then)."""
+    st, task, dd = run.st, run.task, run.dd
     ev = task.evaluate(run.model)
     raw = {}
     if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
@@ -254,14 +263,13 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
     st.best = max(st.best, ev[task.score])
     sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=run.device)
     sums = runtime.all_reduce_(sums, dd).tolist()
-    line = dict(model=task.family, epoch=round(at, 4),
-                step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
+    line = dict(model=task.family, epoch=st.eval_at, step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
                 train_acc=float(sums[1] / max(sums[2], 1)), **ev, lr=run.lr_at(run.progress()),
                 train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
                 data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
     if not task.counts_hits:
         del line["train_acc"]
-    st.done = run.progress() >= 1.0  # after the evaluation: a resume of a run stopped by it evaluates again
+    st.eval_at, st.done = 0.0, run.progress() >= 1.0
     if not st.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
         rng = runtime.all_rng_states(run.device, dd)
     if dd.main:
@@ -303,12 +311,16 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
 def fit(run: Run, metrics: Path, stop: runtime.StopFlag, log, bar=None, info: dict | None = None) -> dict:
     """Train ``run`` to its end (from where its state is), evaluating after each epoch; returns
     ``finish``'s result. Raises Interrupted (after saving a checkpoint) or NonFiniteLoss (keeping
-    the last one). Lines of ``metrics`` written after the checkpoint it resumes from are dropped."""
-    if run.dd.main:
-        step, family = run.st.global_step, run.task.family
-        runfolder.filter_jsonl(metrics, lambda m: m["model"] != family or m["step"] <= step)
+    the last one). Lines of ``metrics`` written after the checkpoint it resumes from are dropped,
+    and an evaluation that checkpoint left due is done first."""
+    st = run.st
+    if run.dd.main:  # the due evaluation's line, if it was written, is written again below
+        step, family, due = st.global_step, run.task.family, bool(st.eval_at)
+        runfolder.filter_jsonl(metrics, lambda m: m["model"] != family or m["step"] < step + (not due))
     run.model.train()
     try:
+        if st.eval_at:
+            evaluate_epoch(run, metrics, log)
         while run.progress() < 1.0:
             train_epoch(run, stop, bar)
             end_epoch(run, metrics, log)
