@@ -4,8 +4,8 @@ The data set is drawn here, so nothing is downloaded: each 128x128 image is a te
 (`vitattn.training.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
 of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little. It is written as a
 COCO-format folder (``<work-dir>/shapes``: PNGs and ``annotations/instances_{train,val}.json``)
-and each backbone trains on it through ``examples/train_detection.py``, the script for a user's
-own COCO folder, with the same detector (FCOS), pyramid strides (8, 16, 32), width, optimiser
+and each backbone trains on it by running ``examples/train_detection.py``, the script for a
+user's own COCO folder, with the same detector (FCOS), pyramid strides (8, 16, 32), width, optimiser
 and *wall-clock* budget of training steps (loading and evaluation outside it). Metrics: COCO box
 AP from pycocotools, per epoch, in each run folder.
 
@@ -26,18 +26,21 @@ import functools
 import io
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torchvision.ops import box_iou
-from train_detection import main as train_run  # the sibling script: python puts examples/ on the path
 
+from vitattn.training import checkpoint, detect
 from vitattn.training.detect import Config as RunConfig
 from vitattn.training.longrange import textured_background
 from vitattn.training.runtime import environment
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_detection.py"
 CLASSES = ("circle", "square", "triangle", "cross")  # category ids 1..4
 
 
@@ -202,6 +205,23 @@ def save_small_png(src, path: Path, colours: int = 128) -> None:
 
 
 # -- main -------------------------------------------------------------------------------------
+def train_run(cfg: RunConfig) -> dict:
+    """``train_detection.py`` run as a program with ``cfg``'s options (a ``-c`` file beside the run
+    folder); its summary, with the weights the run kept loaded into a detector under ``'model'``."""
+    import yaml
+
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    options = out.parent / f"{out.name}.yaml"
+    options.write_text(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}))
+    if subprocess.run([sys.executable, str(SCRIPT), "-c", str(options)], cwd=ROOT).returncode:
+        raise SystemExit(f"{SCRIPT.name} -c {options} failed; its run folder is {out}")
+    ck = checkpoint.load_checkpoint(out / "checkpoints" / "detector.pt")
+    model = detect.build_model(cfg, len(ck["category_ids"]))
+    model.load_state_dict(ck["model"])
+    return {**json.loads((out / "summary.json").read_text()), "model": model}
+
+
 @torch.no_grad()
 def predict(model, root: Path, n: int) -> tuple[list, list]:
     """The first ``n`` val images and the model's detections on them."""

@@ -103,10 +103,10 @@ def test_no_import_circle_in_the_package():
 
 
 def test_no_script_is_imported_as_a_library():
-    """``train_cifar.py`` is imported by its own tests only; benchmarks, results and the package
-    use the package."""
+    """The scripts are imported by their own tests only; benchmarks, results, examples and the
+    package use the package (or run a script as a program)."""
     users = [p for folder in ("vitattn", "benchmarks", "results", "examples") for p in (ROOT / folder).rglob("*.py")
-             if re.search(r"^\s*(import train_cifar|from train_cifar import)", p.read_text(), re.M)]
+             if re.search(r"^\s*(import|from) (train_cifar|train_detection)\b", p.read_text(), re.M)]
     assert not users, users
     with pytest.raises(AttributeError, match="has no attribute 'trian'"):
         vitattn.trian  # noqa: B018
