@@ -60,7 +60,8 @@ def run_all(cfg: Config, dd: runtime.Dist, dev, out: Path, log, folder: contextl
     # everything is checked before the run folder is written: data, models, checkpoints, options
     ds = classify.load_dataset(cfg, dev)
     models = {fam: classify.build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
-    ckpts = {fam: checkpoint.resume_checkpoint(out / "checkpoints" / f"{fam}.pt", m, fam) for fam, m in models.items()}
+    ckpts = {fam: checkpoint.resume_checkpoint(out / "checkpoints" / f"{fam}.pt", m, fam, loop.TrainState)
+             for fam, m in models.items()}
     for fam, ck in ckpts.items():
         check_resumed(cfg, ck, out / "checkpoints" / f"{fam}.pt")
     if dd.main and not cfg.resume:

@@ -67,7 +67,7 @@ def run(cfg: Config, dd: runtime.Dist, dev, out, log, folder: contextlib.ExitSta
     task = detect.detection_task(cfg, dev, dd)
     model = detect.build_model(cfg, len(task.category_ids)).to(dev)
     ckpt = out / "checkpoints" / "detector.pt"
-    ck = checkpoint.resume_checkpoint(ckpt, model, "detector")
+    ck = checkpoint.resume_checkpoint(ckpt, model, "detector", loop.TrainState)
     if ck is not None:
         runfolder.check_resumed_config(cfg, ck.get("config"), ckpt, detect.UNCHECKED_ON_RESUME)
     elif dd.main and not cfg.resume:

@@ -198,6 +198,18 @@ def test_resuming_with_another_models_checkpoint_is_refused_and_keeps_it(tmp_pat
     assert (Path(a.out) / "checkpoints" / "cnn.pt").read_bytes() == other.read_bytes()
 
 
+def test_a_checkpoint_of_another_version_of_the_loop_is_refused_and_kept(tmp_path, folder, capsys):
+    cfg = tiny(tmp_path, folder, epochs=1)
+    T.main(cfg)
+    path = Path(cfg.out) / "checkpoints" / "cnn.pt"
+    ck = torch.load(path, weights_only=True)
+    ck["state"]["best_acc"] = ck["state"].pop("best")  # as the loop before this one named it
+    torch.save(ck, path)
+    before = path.read_bytes()
+    refused(capsys, ["--resume", cfg.out], "written by another version of the training loop (its state has best_acc)")
+    assert path.read_bytes() == before
+
+
 def test_a_run_resumes_past_a_metrics_line_cut_by_a_crash_and_rewrites_cut_weights(tmp_path, folder, capsys):
     cfg = tiny(tmp_path, folder, epochs=1)
     T.main(cfg)

@@ -3,6 +3,7 @@ anything loads, restored with every rank's random streams; the final weights as 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,17 @@ def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> Non
                               "left untouched")
 
 
-def resume_checkpoint(path: Path, model: nn.Module, family: str) -> dict | None:
-    """The checkpoint at ``path`` read and checked against ``model``; None when there is none."""
+def resume_checkpoint(path: Path, model: nn.Module, family: str, state: type | None = None) -> dict | None:
+    """The checkpoint at ``path`` read and checked against ``model`` (and, given the dataclass of
+    the loop's ``state``, that its state has no field the loop does not know); None when there is none."""
     if not Path(path).exists():
         return None
     ck = load_checkpoint(path)
     check_checkpoint(ck, model, family, path)
+    unknown = sorted(set(ck["state"]) - {f.name for f in dataclasses.fields(state)}) if state is not None else []
+    if unknown:
+        raise CheckpointError(f"checkpoint {path} was written by another version of the training loop (its state "
+                              f"has {', '.join(unknown)}); it was left untouched. Start a new run.")
     return ck
 
 
