@@ -85,6 +85,15 @@ def data_flags(args) -> list[str]:
     return data
 
 
+def run_script(argv: list[str], interrupt_at: int = 0, deterministic: bool = False) -> subprocess.CompletedProcess:
+    """``python train_cifar.py ARGV`` through ``PRELUDE``: a Ctrl-C at training step ``interrupt_at``
+    (0: none), deterministic kernels when asked."""
+    env = {**os.environ, "GPU_CHECK_INTERRUPT_AT": str(interrupt_at)}
+    if deterministic:  # cuBLAS needs a fixed workspace to be deterministic
+        env |= {"GPU_CHECK_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    return subprocess.run([sys.executable, "-c", PRELUDE, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
 def train_cifar(args, out: Path, *flags: str, interrupt_at: int = 0, deterministic: bool = False,
                 check: bool = True) -> dict:
     """``python train_cifar.py`` with the check's data and ``flags``; returns its summary.json and
@@ -92,10 +101,7 @@ def train_cifar(args, out: Path, *flags: str, interrupt_at: int = 0, determinist
     quick = ["--epochs=1", "--batch-size=64", "--context-images=8"] if args.quick else [f"--epochs={args.epochs}"]
     argv = [*data_flags(args), *quick, f"--device={args.device}", f"--out={out}", "--no-progress", "--no-plots",
             *flags]
-    env = {**os.environ, "GPU_CHECK_INTERRUPT_AT": str(interrupt_at)}
-    if deterministic:  # cuBLAS needs a fixed workspace to be deterministic
-        env |= {"GPU_CHECK_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    p = subprocess.run([sys.executable, "-c", PRELUDE, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+    p = run_script(argv, interrupt_at, deterministic)
     if check and p.returncode != 0:
         raise RuntimeError(f"train_cifar.py {' '.join(argv)} exited {p.returncode}: {(p.stdout + p.stderr)[-2000:]}")
     path = out / "summary.json"
@@ -140,9 +146,7 @@ def resume(args, work: Path, report: dict) -> dict:
     train_cifar(args, ref, *flags, deterministic=True)
     out = work / "interrupted"
     first = train_cifar(args, out, *flags, interrupt_at=5, deterministic=True, check=False)["returncode"]
-    resumed = subprocess.run([sys.executable, "-c", PRELUDE, f"--resume={out}", "--no-progress"], capture_output=True,
-                             text=True, cwd=ROOT,
-                             env={**os.environ, "GPU_CHECK_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    resumed = run_script([f"--resume={out}", "--no-progress"], deterministic=True)
     keys = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc")
     scores = [[tuple(json.loads(s)[k] for k in keys) for s in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (ref, out)]

@@ -13,8 +13,8 @@ built from, one concept per module, each importing only those listed before it.
     recipes      how each model family trains by default
     loop         one training loop; a task plugs in what a batch, its loss and an evaluation are
     classify     classification as a task, with the options of train_cifar.py
+    detect       detection on a COCO-format folder as a task, with the options of train_detection.py
     report       a run's global-context measures, figures and report.md
 
-``vitattn.detection.DetectionTask`` is detection as a task of the same loop. ``import vitattn``
-does not load this package; ``import vitattn.training.loop`` (or any module) does.
+``import vitattn`` does not load this package; ``import vitattn.training.loop`` (or any module) does.
 """

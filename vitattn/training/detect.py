@@ -419,6 +419,7 @@ class DetectionTask:
             raise UsageError(f"{len(train.dataset)} training image(s) cannot be shared by {dd.world} processes")
         self.steps_per_epoch = math.ceil(self.shard / batch_size)
         self.last: dict[str, float] | None = None
+        self.no_hits = torch.zeros((), device=device)  # what ``loss`` counts: made once, not per step
 
     def _loader(self, split: Split, order: list[int]) -> torch.utils.data.DataLoader:
         """Batches in ``order`` (positions in the split), in pinned memory for a GPU, so that their
@@ -439,7 +440,7 @@ class DetectionTask:
     def loss(self, net: nn.Module, batch: tuple[list, list]) -> tuple[torch.Tensor, torch.Tensor, int]:
         images, targets = to_device(*batch, self.device)
         loss = sum(net(images, targets).values())  # --amp's autocast is inside, around the backbone
-        return loss, torch.zeros((), device=self.device), len(images)
+        return loss, self.no_hits, len(images)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:

@@ -41,7 +41,7 @@ READ_EVERY = 50
 
 class Task(Protocol):
     """What the loop trains: classification (``classify.ClassifyTask``), detection
-    (``vitattn.detection.DetectionTask``)."""
+    (``vitattn.training.detect.DetectionTask``)."""
 
     family: str  # the checkpoint's name for the model: 'vit', 'cnn', 'detector'
     score: str  # the key of ``evaluate``'s metrics that the best-so-far tracks
