@@ -60,6 +60,7 @@ def run_all(cfg: Config, dd: runtime.Dist, dev, out: Path, log, folder: contextl
     # everything is checked before the run folder is written: data, models, checkpoints, options
     ds = classify.load_dataset(cfg, dev)
     models = {fam: classify.build_model(fam, cfg, ds, dev, dd.world) for fam in cfg.models()}
+    teacher = classify.load_teacher(cfg, ds, dev) if cfg.teacher else None
     ckpts = {fam: checkpoint.resume_checkpoint(out / "checkpoints" / f"{fam}.pt", m, fam, loop.TrainState)
              for fam, m in models.items()}
     for fam, ck in ckpts.items():
@@ -74,7 +75,7 @@ def run_all(cfg: Config, dd: runtime.Dist, dev, out: Path, log, folder: contextl
     with runtime.StopFlag() as stop:
         for fam, model in models.items():
             try:
-                results[fam] = train_model(fam, model, ckpts[fam], cfg, ds, out, dev, dd, stop, log)
+                results[fam] = train_model(fam, model, ckpts[fam], cfg, ds, out, dev, dd, stop, log, teacher)
             except Interrupted:
                 log(f"interrupted: resumable checkpoint saved in {out / 'checkpoints'}; "
                     f"continue with: python train_cifar.py --resume {out}")
@@ -102,11 +103,12 @@ def run_all(cfg: Config, dd: runtime.Dist, dev, out: Path, log, folder: contextl
 
 
 def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds: Dataset, out: Path, dev,
-                dd: runtime.Dist, stop: runtime.StopFlag, log) -> dict:
+                dd: runtime.Dist, stop: runtime.StopFlag, log, teacher: classify.Teacher | None = None) -> dict:
     """Train one model (from its checkpoint when resuming) and save its weights; returns its result.
     Raises Interrupted / NonFiniteLoss after saving / keeping the checkpoint."""
     weights = out / "checkpoints" / f"{family}.safetensors"
-    run = classify.start_run(family, model, cfg, ds, dev, dd, out / "checkpoints" / f"{family}.pt", ck)
+    run = classify.start_run(family, model, cfg, ds, dev, dd, out / "checkpoints" / f"{family}.pt", ck,
+                             teacher.model if teacher else None)
     if run.st.done:
         log(f"[{family}] already finished in {out}; skipping training")
         if dd.main:  # written anew from the checkpoint: a crash may have cut the first copy short
@@ -124,8 +126,12 @@ def train_model(family: str, model: nn.Module, ck: dict | None, cfg: Config, ds:
         log(f"[{family}] warning: {runtime.precision_warning(dev, cfg.autocast_dtype())}")
     bar = (cli.progress_bar(family, run.total_steps, run.st.global_step, run.budget_s, run.st.train_seconds)
            if cfg.progress and dd.main else None)
+    if teacher:
+        log(f"[{family}] teacher: {teacher.info['preset']} of {teacher.info['run']} ({teacher.info['final_acc']:.4f} "
+            f"in {teacher.info['train_seconds'] / 60:.1f} min of training)")
     result = loop.fit(run, out / "metrics.jsonl", stop, log, bar, info=dict(
-        preset=cfg.preset(family), flops_per_image=model.flops, recipe=asdict(r), pipeline=pipeline))
+        preset=cfg.preset(family), flops_per_image=model.flops, recipe=asdict(r), pipeline=pipeline,
+        **({"teacher": teacher.info} if teacher else {})))
     if dd.main:
         checkpoint.save_safetensors(model, weights)
     return result

@@ -37,7 +37,9 @@ OUT = ROOT / "results"
 # machine tags in the raw files' names -> what the hardware is
 MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EPYC VM, AVX-512",
             "epyc2bf16": "2-core AMD EPYC VM, AVX-512 + AVX512-BF16",
-            "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX"}
+            "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX",
+            # up to 11 runs at once on one GPU: their images/s are shares, not the GPU's speed
+            "h200shared": "NVIDIA H200 (TF32), shared by up to 11 runs"}
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "images_per_s", "train_min", "params", "hardware",
                "torch", "git_commit", "command")
@@ -49,13 +51,22 @@ SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rat
 # A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
 SEEDS = tuple(range(10))
 ROPE = tuple(f"longrange_vit_rope_xeon2amx/seed{k}_rope_sincos" for k in SEEDS)  # the long-range ViT, 10 seeds
-VIT_10 = ("cifar10_vit_10epochs_xeon2amx", "cifar10_vit_10epochs_seed1_xeon2amx")
+VIT_10 = ("cifar10_vit_10epochs_h200shared", "cifar10_vit_10epochs_seed1_h200shared")  # today's default
+CLS_10 = ("cifar10_vit_clstoken_10epochs_h200shared", "cifar10_vit_clstoken_10epochs_seed1_h200shared")
+SPT_LSA_10 = ("cifar10_vit_spt_lsa_10epochs_h200shared",)
+DISTILLED_10 = ("cifar10_vit_distilled_10epochs_h200shared", "cifar10_vit_distilled_10epochs_seed1_h200shared")
+TEACHER_10 = "cifar10_cnn_widths64-256-256_teacher_10epochs_h200shared"  # DISTILLED_10's teacher
+WIDE_10 = ("cifar10_cnn_widths64-256-256_10epochs_h200shared", "cifar10_cnn_widths64-256-256_10epochs_seed1_h200shared")
+L_10 = ("cifar10_vit_depth9w192_10epochs_h200shared", "cifar10_vit_depth9w192_10epochs_seed1_h200shared")
 TABLES = {
     "readme": (
-        ("CIFAR-10, 30 min", "cifar10", "cifar10_cnn_30min_xeon2amx", "cnn", "small CNN"),
-        ("CIFAR-10, 30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT"),
         ("CIFAR-10, 10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
         ("CIFAR-10, 10 epochs", "cifar10", VIT_10, "vit", "ViT"),
+        ("CIFAR-10, 10 epochs", "cifar10", SPT_LSA_10, "vit", "ViT + SPT + LSA"),
+        ("CIFAR-10, 10 epochs", "cifar10", DISTILLED_10, "vit", "ViT distilled from the CNN"),
+        ("CIFAR-10, 10 epochs", "cifar10", TEACHER_10, "cnn", "its teacher: small CNN, widths 64/256/256"),
+        ("CIFAR-10, 30 min", "cifar10", "cifar10_cnn_30min_xeon2amx", "cnn", "small CNN"),
+        ("CIFAR-10, 30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT, earlier default"),
         ("long range", "long_range", ROPE, "vit", "2-block ViT"),
         ("long range", "long_range", "longrange_cnn_3epochs_epyc2x512", "cnn", "small CNN"),
         ("long range", "long_range", "longrange_control_3epochs_epyc2x512", "cnn", "bag of local features (control)"),
@@ -79,12 +90,60 @@ TABLES = {
     ),
     "cifar10": (
         ("30 min", "cifar10", "cifar10_cnn_30min_xeon2amx", "cnn", "small CNN"),
-        ("30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT"),
-        ("30 min, six blocks", "cifar10", "cifar10_vit_6blocks_30min_xeon2amx", "vit", "ViT"),
+        ("30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT, earlier default"),
+        ("30 min, six blocks", "cifar10", "cifar10_vit_6blocks_30min_xeon2amx", "vit", "ViT, earlier default"),
         ("30 min", "cifar10", "cifar10_cnn_30min_epyc2", "cnn", "small CNN"),
         ("10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
+        ("10 epochs", "cifar10", ("cifar10_vit_10epochs_xeon2amx", "cifar10_vit_10epochs_seed1_xeon2amx"), "vit",
+         "ViT, earlier default"),
         ("10 epochs", "cifar10", VIT_10, "vit", "ViT"),
         ("10 epochs, widths 64/256/256", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
+         "small CNN"),
+    ),
+    # issue 42's questions, one table each, all at ten epochs
+    "vit_readout": (
+        ("class token, learned table (earlier default)", "cifar10", CLS_10, "vit", "ViT"),
+        ("class token, sin-cos table", "cifar10", "cifar10_vit_clstoken_sincos_10epochs_h200shared", "vit", "ViT"),
+        ("mean of patches, learned table", "cifar10", "cifar10_vit_learnedpos_10epochs_h200shared", "vit", "ViT"),
+        ("mean of patches, sin-cos table (default)", "cifar10", VIT_10, "vit", "ViT"),
+        ("the same, depth 9, width 192, 12 heads, MLP x2", "cifar10", L_10, "vit", "ViT"),
+    ),
+    "vit_distillation": (
+        ("no teacher (default)", "cifar10", VIT_10, "vit", "ViT"),
+        ("distilled, token", "cifar10", DISTILLED_10, "vit", "ViT"),
+        ("teacher of the row above", "cifar10", TEACHER_10, "cnn", "small CNN"),
+        ("class token, no teacher", "cifar10", CLS_10, "vit", "ViT"),
+        ("class token, distilled, token", "cifar10", ("cifar10_vit_clstoken_distilled_10epochs_h200shared",
+                                                       "cifar10_vit_clstoken_distilled_10epochs_seed1_h200shared"),
+         "vit", "ViT"),
+        ("teacher of the row above", "cifar10", WIDE_10[0], "cnn", "small CNN"),
+        ("depth 9, width 192, no teacher", "cifar10", L_10, "vit", "ViT"),
+        ("depth 9, width 192, distilled", "cifar10", "cifar10_vit_depth9w192_distilled_10epochs_h200shared", "vit",
+         "ViT"),
+    ),
+    "vit_spt_lsa": (
+        ("default", "cifar10", VIT_10, "vit", "ViT"),
+        ("+ SPT + LSA", "cifar10", SPT_LSA_10, "vit", "ViT"),
+        ("class token", "cifar10", CLS_10, "vit", "ViT"),
+        ("class token + SPT + LSA", "cifar10", ("cifar10_vit_clstoken_spt_lsa_10epochs_h200shared",
+                                                "cifar10_vit_clstoken_spt_lsa_10epochs_seed1_h200shared"), "vit",
+         "ViT"),
+        ("depth 9, width 192", "cifar10", L_10, "vit", "ViT"),
+        ("depth 9, width 192 + SPT + LSA", "cifar10", "cifar10_vit_depth9w192_spt_lsa_10epochs_h200shared", "vit",
+         "ViT"),
+        ("class token, distilled + SPT + LSA", "cifar10",
+         "cifar10_vit_clstoken_distilled_spt_lsa_10epochs_h200shared", "vit", "ViT"),
+    ),
+    "cnn_ten_epochs": (
+        ("default", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
+        ("default", "cifar10", ("cifar10_cnn_10epochs_h200shared", "cifar10_cnn_10epochs_seed1_h200shared"), "cnn",
+         "small CNN"),
+        ("widths 64/256/256 (airbench94's)", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
+         "small CNN"),
+        ("widths 64/256/256 (airbench94's)", "cifar10", (*WIDE_10, TEACHER_10), "cnn", "small CNN"),
+        ("widths 64/256/256, mirror padding", "cifar10", "cifar10_cnn_widths64-256-256_reflect_10epochs_h200shared",
+         "cnn", "small CNN"),
+        ("widths 64/256/256, EMA 0.99", "cifar10", "cifar10_cnn_widths64-256-256_ema_10epochs_h200shared", "cnn",
          "small CNN"),
     ),
 }
@@ -100,12 +159,13 @@ DATA_FIELDS = ("img_size", "num_classes", "in_chans")  # set from the data by tr
 
 
 def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
-    """A run's model as today's preset nearest to it plus the fields that differ."""
+    """A run's model as its preset (or, if that is gone, today's preset nearest to it) plus the
+    fields that differ."""
     import vitattn
 
     ran = vitattn.get_config(preset, **json.loads(kwargs or "{}"))
     best = None
-    for name in vitattn.list_models():
+    for name in [preset] if preset in vitattn.list_models() else vitattn.list_models():
         ours = vitattn.get_config(name)
         if type(ours) is not type(ran):
             continue
@@ -144,6 +204,8 @@ def command(config: dict, family: str) -> str:
         flag = "--" + k.replace("_", "-")
         if k == "data_dir":
             v = "path/to/cifar10"
+        if k == "teacher":
+            v = "path/to/cnn_run"
         if isinstance(v, bool):
             parts.append(flag if v else f"--no-{flag[2:]}")
         else:

@@ -32,6 +32,8 @@ def per_pair_reference(attn: MultiHeadAttention, x, context=None, mask=None):
                         s[j] = qi @ kj / math.sqrt(d)
                     elif type(attn.score_fn) is SCORES["general"]:
                         s[j] = qi @ attn.score_fn.weight[hi] @ kj
+                    elif type(attn.score_fn) is SCORES["lsa"]:  # a token's score for itself is dropped
+                        s[j] = qi @ kj * attn.score_fn.log_temperature.exp() if i != j else float("-inf")
                     else:  # additive
                         s[j] = attn.score_fn.v[hi] @ torch.tanh(qi @ attn.score_fn.q[hi] + kj @ attn.score_fn.k[hi])
                     if mask is not None and not mask[bi, hi, i, j]:

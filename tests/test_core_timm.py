@@ -113,11 +113,21 @@ def test_unsupported_options_are_named():
         vitattn.from_timm(t)
     with pytest.raises(ValueError, match="expected a timm VisionTransformer"):
         vitattn.from_timm(torch.nn.Linear(2, 2))
-    for option in (dict(score="general"), dict(pos_embed="sincos2d"),
-                   dict(use_rot_pos_emb=True)):
+    for option in (dict(score="general"), dict(pos_embed="sincos2d", dynamic_img_size=True),
+                   dict(use_rot_pos_emb=True), dict(shifted_patches=True), dict(distilled=True)):
         v = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, **option)
         with pytest.raises(ValueError, match="timm has no twin"):
             vitattn.to_timm(v)
+
+
+def test_a_sincos_table_rides_in_timm_s_position_table_frozen():
+    torch.manual_seed(0)
+    v = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                    pos_embed="sincos2d", class_token=False, global_pool="avg").eval()
+    t = vitattn.to_timm(v).eval()
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(t(x), v(x))
+    assert not t.pos_embed.requires_grad
 
 
 REGULARISED = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5, drop_rate=0.1,

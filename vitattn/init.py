@@ -31,3 +31,4 @@ def whitening_basis(patches: torch.Tensor, eps: float) -> torch.Tensor:
     eigvals, eigvecs = torch.linalg.eigh(p.T @ p / len(p))  # ascending
     eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
     return (eigvecs / (eigvals.clamp_min(0) + eps).sqrt()).T
+

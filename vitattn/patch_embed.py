@@ -17,7 +17,7 @@ from .helpers import Size2, check_input_dtype, is_tracing, to_2tuple
 
 # torch.fx (torchvision's create_feature_extractor) records these as calls instead of tracing into
 # them: einops and the input checks read shapes, which are proxies while tracing
-for _leaf in ("rearrange", "check_image", "check_input_dtype", "pad_to_patches"):
+for _leaf in ("rearrange", "check_image", "check_input_dtype", "pad_to_patches", "shift_diagonally"):
     torch.fx.wrap(_leaf)
 
 
@@ -111,15 +111,61 @@ class PatchEmbed(nn.Module):
             return (-(-h // p1), -(-w // p2))
         return (h // p1, w // p2)
 
-    def forward(self, x: torch.Tensor, fast: bool = True) -> tuple[torch.Tensor, Size2]:
-        p1, p2 = self.patch_size
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, Size2]:
+        """Images padded (with ``dynamic_img_pad``) and checked, and their patch grid."""
         if self.dynamic_img_pad:
             x = pad_to_patches(x, self.patch_size)
         check_image(x, self.patch_size, self.in_chans)
         check_input_dtype(x, self.proj.weight)
-        grid = self.grid_size if is_tracing() else (x.shape[2] // p1, x.shape[3] // p2)
+        grid = self.grid_size if is_tracing() else (x.shape[2] // self.patch_size[0], x.shape[3] // self.patch_size[1])
+        return x, grid
+
+    def forward(self, x: torch.Tensor, fast: bool = True) -> tuple[torch.Tensor, Size2]:
+        x, grid = self.prepare(x)
         if fast:
             x = rearrange(self.proj(x), "b d gh gw -> b (gh gw) d")
         else:
             x = F.linear(patchify(x, self.patch_size), self.proj.weight.flatten(1), self.proj.bias)
         return x, grid
+
+
+def shift_diagonally(images: torch.Tensor, shift: Size2) -> torch.Tensor:
+    """``(B, C, H, W) -> (B, 5C, H, W)``: the images and four copies moved by ``shift`` pixels
+    towards each corner (zeros come in at the border), stacked on the channel axis."""
+    sy, sx = shift
+    copies = [images]
+    for dy, dx in ((-sy, -sx), (-sy, sx), (sy, -sx), (sy, sx)):
+        # pad on one side, crop the other: content moves by (dy, dx)
+        padded = F.pad(images, (max(dx, 0), max(-dx, 0), max(dy, 0), max(-dy, 0)))
+        h, w = images.shape[-2:]
+        copies.append(padded[..., max(-dy, 0): max(-dy, 0) + h, max(-dx, 0): max(-dx, 0) + w])
+    return torch.cat(copies, dim=1)
+
+
+class ShiftedPatchEmbed(PatchEmbed):
+    """Shifted patch tokenisation (SPT): ``(B, C, H, W) -> (B, N, D)`` plus the grid.
+
+    Each patch also sees half a patch beyond its edges: the image and four copies shifted by half
+    a patch towards the corners are cut into the same patches, and each (5 x C x p1 x p2) patch is
+    layer-normed and projected (``proj``, a linear layer). A 4-px patch of a 32-px image then
+    carries the context a token would otherwise need attention to fetch.
+
+    References: Lee, Lee and Song 2021, "Vision Transformer for Small-Size Datasets".
+    """
+
+    def __init__(self, img_size: int | Size2 = 224, patch_size: int | Size2 = 16, in_chans: int = 3,
+                 embed_dim: int = 768, *, dynamic_img_pad: bool = False, bias: bool = True) -> None:
+        nn.Module.__init__(self)  # PatchEmbed's sizes, without its convolution
+        self.img_size, self.patch_size = to_2tuple(img_size), to_2tuple(patch_size)
+        self.in_chans, self.embed_dim, self.dynamic_img_pad = in_chans, embed_dim, dynamic_img_pad
+        self.grid_size = self.grid_for(self.img_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        patch_dim = 5 * in_chans * self.patch_size[0] * self.patch_size[1]
+        self.norm = nn.LayerNorm(patch_dim, eps=1e-6)
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Size2]:
+        x, grid = self.prepare(x)
+        p1, p2 = self.patch_size
+        x = shift_diagonally(x, (max(p1 // 2, 1), max(p2 // 2, 1)))
+        return self.proj(self.norm(patchify(x, self.patch_size))), grid

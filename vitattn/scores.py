@@ -12,10 +12,13 @@ dot           q . k                        Luong et al. 2015
 scaled_dot    q . k / sqrt(d)              Vaswani et al. 2017; the default
 general       q^T W k                      Luong et al. 2015; W per head, starts at I/sqrt(d)
 additive      v^T tanh(W_q q + W_k k)      Bahdanau et al. 2015 ("concat" attention)
+lsa           q . k * t, self masked       Lee et al. 2021; learned temperature t
 ============  ===========================  ==========================================
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -78,4 +81,25 @@ class Additive(nn.Module):
         return None
 
 
-SCORES: dict[str, type[nn.Module]] = {"scaled_dot": ScaledDot, "dot": Dot, "general": General, "additive": Additive}
+class Locality(nn.Module):
+    """Locality self-attention (LSA): ``q . k`` times a learned temperature (starting at
+    ``1 / sqrt(d)``), with each token's score for itself removed. On small data a ViT's softmax
+    stays flat; a learned temperature lets it sharpen, and without the (always large) self-score a
+    token must weigh its neighbours against each other. Queries are the first ``Nq`` of the keys'
+    tokens (self-attention, or ``Block.forward_first``), so "itself" is the diagonal."""
+
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.log_temperature = nn.Parameter(torch.full((1,), -0.5 * math.log(head_dim)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        s = (q @ k.transpose(-2, -1)) * self.log_temperature.exp()
+        itself = torch.eye(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+        return s.masked_fill(itself, float("-inf"))
+
+    def fused(self, q: torch.Tensor) -> None:
+        return None  # the diagonal mask is part of the score: the readable path computes it
+
+
+SCORES: dict[str, type[nn.Module]] = {"scaled_dot": ScaledDot, "dot": Dot, "general": General, "additive": Additive,
+                                  "lsa": Locality}

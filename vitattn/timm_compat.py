@@ -115,15 +115,17 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
     """Keyword arguments for ``timm.models.vision_transformer.VisionTransformer`` that build the
     timm twin of a config."""
     c = config
-    if (c.score != "scaled_dot" or c.window_block_indexes
-            or c.pos_embed in ("sincos1d", "sincos2d") or c.use_rot_pos_emb):
-        raise ValueError("timm has no twin for score / window / sincos / rotary options")
+    fixed = c.pos_embed in ("sincos1d", "sincos2d")
+    if (c.score != "scaled_dot" or c.window_block_indexes or c.use_rot_pos_emb or c.shifted_patches or c.distilled
+            or (fixed and c.dynamic_img_size)):
+        raise ValueError("timm has no twin for score / window / rotary / shifted-patch / distillation-token options, "
+                         "nor for a sin-cos table built for each image size")
     # weight_init only chooses starting weights, which to_timm copies anyway
     return dict(
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,
         global_pool=c.global_pool, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,
         mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, init_values=c.init_values,
-        class_token=c.class_token, pos_embed=c.pos_embed, dynamic_img_size=c.dynamic_img_size,
+        class_token=c.class_token, pos_embed="learn" if fixed else c.pos_embed, dynamic_img_size=c.dynamic_img_size,
         dynamic_img_pad=c.dynamic_img_pad, fc_norm=c.fc_norm, drop_rate=c.drop_rate, pos_drop_rate=c.pos_drop_rate,
         proj_drop_rate=c.proj_drop_rate, attn_drop_rate=c.attn_drop_rate, drop_path_rate=c.drop_path_rate,
     )
@@ -137,5 +139,11 @@ def to_timm(vit: ViT) -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(**timm_kwargs(vit.config))
-    model.load_state_dict(to_timm_state_dict(vit), strict=True)
+    sd = to_timm_state_dict(vit)
+    fixed = vit.config.pos_embed in ("sincos1d", "sincos2d")
+    if fixed:  # a sin-cos table rides in timm's position table, frozen: the same numbers, never trained
+        sd["pos_embed"] = vit.fixed_pos_embed(vit.grid_size, torch.device("cpu"), torch.float32).clone()
+    model.load_state_dict(sd, strict=True)
+    if fixed:
+        model.pos_embed.requires_grad_(False)
     return model.train(vit.training)

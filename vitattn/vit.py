@@ -31,7 +31,7 @@ from .attention import SCORES
 from .block import Block
 from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, is_tracing, to_2tuple
 from .init import lecun_normal_
-from .patch_embed import PatchEmbed
+from .patch_embed import PatchEmbed, ShiftedPatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
 
 for _leaf in ("rearrange", "repeat"):  # calls in a torch.fx trace: einops reads shapes (proxies there)
@@ -74,6 +74,8 @@ class ViTConfig:
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
     weight_init: str = ""  # '' (timm's default) or 'jax' (timm's, as the JAX ViT)
+    shifted_patches: bool = False  # shifted patch tokenisation (SPT, Lee et al. 2021) instead of one conv
+    distilled: bool = False  # DeiT's distillation token and second head (timm's deit_*_distilled)
 
     def __post_init__(self) -> None:
         check_size("img_size", self.img_size)
@@ -89,7 +91,8 @@ class ViTConfig:
             check_float("init_values", self.init_values, 0.0, low_open=True)
         if self.window_size is not None:
             check_int("window_size", self.window_size)
-        for name in ("qkv_bias", "qk_norm", "class_token", "use_rot_pos_emb", "dynamic_img_size", "dynamic_img_pad"):
+        for name in ("qkv_bias", "qk_norm", "class_token", "use_rot_pos_emb", "dynamic_img_size", "dynamic_img_pad",
+                     "shifted_patches", "distilled"):
             check_bool(name, getattr(self, name))
         if self.fc_norm is not None:
             check_bool("fc_norm", self.fc_norm)
@@ -102,6 +105,9 @@ class ViTConfig:
             raise ValueError(f"unknown pos_embed {self.pos_embed!r}; expected one of {POS_EMBEDS}")
         if self.global_pool not in GLOBAL_POOLS:
             raise ValueError(f"unknown global_pool {self.global_pool!r}; expected one of {GLOBAL_POOLS}")
+        if self.distilled and self.global_pool == "":
+            raise ValueError("distilled=True adds a head on the distillation token: it needs a pooled head, "
+                             "got global_pool=''")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without it")
         if self.embed_dim % self.num_heads:
@@ -137,14 +143,17 @@ class ViT(nn.Module):
                                    std=(0.5, 0.5, 0.5), num_classes=c.num_classes, interpolation="bicubic",
                                    crop_pct=0.9, pool_size=None, first_conv="patch_embed.proj", classifier="head",
                                    fixed_input_size=c.pos_embed == "learn" and not c.dynamic_img_size)
-        self.num_prefix_tokens = 1 if c.class_token else 0
+        self.num_prefix_tokens = int(c.class_token) + int(c.distilled)
+        self.distilled_training = False  # timm's flag: in training, return both heads' logits
         self.dynamic_img_size = c.dynamic_img_size
         use_fc_norm = c.global_pool in ("avg", "avgmax", "max") if c.fc_norm is None else c.fc_norm
 
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
-                                      dynamic_img_pad=c.dynamic_img_pad)
+        embed_layer = ShiftedPatchEmbed if c.shifted_patches else PatchEmbed
+        self.patch_embed = embed_layer(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
+                                       dynamic_img_pad=c.dynamic_img_pad)
         self.grid_size = self.patch_embed.grid_size
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None
         if c.pos_embed == "learn":
             n = self.num_prefix_tokens + self.patch_embed.num_patches
             self.pos_embed = nn.Parameter(torch.zeros(1, n, c.embed_dim))
@@ -167,6 +176,8 @@ class ViT(nn.Module):
         self.fc_norm = nn.LayerNorm(c.embed_dim, eps=1e-6) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
+        if c.distilled:
+            self.head_dist = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
         self.init_weights()
 
     # -- init -------------------------------------------------------------------------------
@@ -181,10 +192,12 @@ class ViT(nn.Module):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)  # timm's VisionTransformerDistilled
         jax = self.config.weight_init == "jax"
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                if jax and name == "head":
+                if jax and name in ("head", "head_dist"):
                     nn.init.zeros_(m.weight)
                 elif jax:
                     nn.init.xavier_uniform_(m.weight)
@@ -247,8 +260,9 @@ class ViT(nn.Module):
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """``(B, C, H, W) -> (B, P + N, D)`` tokens with positions, and the grid."""
         x, grid = self.patch_embed(x)
-        if self.cls_token is not None:
-            x = torch.cat([repeat(self.cls_token, "1 1 d -> b 1 d", b=x.shape[0]), x], dim=1)
+        prefix = [t for t in (self.cls_token, self.dist_token) if t is not None]
+        if prefix:
+            x = torch.cat([repeat(t, "1 1 d -> b 1 d", b=x.shape[0]) for t in prefix] + [x], dim=1)
         pos = self.pos_embed_for(grid, x)
         if pos is not None:
             x = x + pos
@@ -257,18 +271,25 @@ class ViT(nn.Module):
     # -- timm's hooks: its optimizer factory, layer-wise lr decay, data config, checkpointing ---
     def no_weight_decay(self) -> set[str]:
         """Parameters timm's ``create_optimizer_v2`` keeps out of weight decay (besides 1-D ones)."""
-        return {n for n in ("pos_embed", "cls_token") if getattr(self, n, None) is not None}
+        return {n for n in ("pos_embed", "cls_token", "dist_token") if getattr(self, n, None) is not None}
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups by depth for layer-wise lr decay: the embedding first, then each block."""
-        return dict(stem=r"^cls_token|^pos_embed|^patch_embed",
+        return dict(stem=r"^cls_token|^dist_token|^pos_embed|^patch_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
+    def get_classifier(self) -> nn.Module | tuple[nn.Module, nn.Module]:
+        return (self.head, self.head_dist) if self.dist_token is not None else self.head
+
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """timm's switch: while training, a distilled model returns ``(logits, dist_logits)`` (one
+        loss each, DeiT); otherwise, and always in eval mode, their mean."""
+        if enable and self.dist_token is None:
+            raise ValueError("set_distilled_training needs a model built with distilled=True")
+        self.distilled_training = enable
 
     @property
     def default_cfg(self) -> dict[str, Any]:  # timm's older name
@@ -317,9 +338,17 @@ class ViT(nn.Module):
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``(B, P + N, D) -> (B, num_classes)`` (or ``(B, D)`` with ``pre_logits=True``)."""
-        x = self.head_drop(self.fc_norm(self.pool(x)))
-        return x if pre_logits else self.head(x)
+        """``(B, P + N, D) -> (B, num_classes)`` (or ``(B, D)`` with ``pre_logits=True``). A
+        distilled model also reads its distillation token (the last prefix token) with
+        ``head_dist`` and averages the two heads (:meth:`set_distilled_training` keeps them apart)."""
+        pooled = self.head_drop(self.fc_norm(self.pool(x)))
+        if self.dist_token is None:
+            return pooled if pre_logits else self.head(pooled)
+        x_dist = self.head_drop(x[:, self.num_prefix_tokens - 1])
+        if pre_logits:
+            return (pooled + x_dist) / 2
+        x, x_dist = self.head(pooled), self.head_dist(x_dist)
+        return (x, x_dist) if self.distilled_training and self.training else (x + x_dist) / 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, num_classes)``, equal to ``forward_head(forward_features(x))``.
@@ -392,14 +421,17 @@ class ViT(nn.Module):
         """Replace the head (timm's method); ``num_classes=0`` leaves features only."""
         check_int("num_classes", num_classes, low=0)
         if global_pool is not None:
-            if global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None):
+            if (global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None)
+                    or (global_pool == "" and self.dist_token is not None)):
                 raise ValueError(f"global_pool {global_pool!r} is not available for this model")
             self.global_pool = global_pool
         self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
+        for name in ("head", "head_dist") if self.dist_token is not None else ("head",):
+            head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+            if num_classes > 0:
+                nn.init.trunc_normal_(head.weight, std=0.02)
+                nn.init.zeros_(head.bias)
+            setattr(self, name, head)
 
     # -- weights ----------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], *, old_grid: tuple[int, int] | None = None,
@@ -419,7 +451,7 @@ class ViT(nn.Module):
             if src.shape[-1] != own["pos_embed"].shape[-1]:
                 raise ValueError(f"pos_embed width {src.shape[-1]} != model width {own['pos_embed'].shape[-1]}")
             sd["pos_embed"] = resample_abs_pos_embed(src, self.grid_size, old_grid, self.num_prefix_tokens)
-        for k in ("head.weight", "head.bias"):
+        for k in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias"):
             if k in sd and (k not in own or sd[k].shape != own[k].shape):
                 skipped.append(k)
                 del sd[k]
@@ -428,7 +460,7 @@ class ViT(nn.Module):
         if bad:
             raise ValueError("state dict shapes do not match the model:\n  " + "\n  ".join(bad))
         missing, unexpected = self.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not (k.startswith("head.") and skipped)]
+        missing = [k for k in missing if not (k.startswith(("head.", "head_dist.")) and skipped)]
         if strict and (missing or unexpected):
             raise ValueError(f"state dict keys do not match: missing {missing}, unexpected {unexpected}")
         return {"missing": list(missing), "unexpected": list(unexpected), "skipped": skipped}

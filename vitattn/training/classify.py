@@ -10,6 +10,7 @@ augmentation); DeiT for the ViT's recipe (``recipes.py``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
     time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
     flip: bool = option(True, "augmentation: random horizontal mirror")
     seed: int = option(0, "seed for weights, batches and augmentation")
+    teacher: str | None = option(None, "a finished train_cifar.py run folder whose CNN the ViT also learns from "
+                                 "(DeiT's hard distillation: the CNN labels each augmented batch as the ViT sees it; "
+                                 "the ViT gets a distillation token unless --vit-kwargs sets \"distilled\": false); "
+                                 "needs --model vit")
     amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
     amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
                             choices=tuple(runtime.AMP_DTYPES))
@@ -105,6 +110,9 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
             self.model_kwargs(slot)  # checked here, so a typo stops the run before anything is written
         for fam in self.models():
             self.recipe(fam)  # a Recipe checks itself
+        if self.teacher is not None and self.model != "vit":
+            raise UsageError(f"--teacher trains a ViT from a CNN run's labels; use it with --model vit, got --model "
+                             f"{self.model}")
         if self.optimizer == "muon" and self.model != "vit":
             raise UsageError(f"--optimizer muon steps a ViT's block matrices; use it with --model vit, got --model "
                              f"{self.model}")
@@ -183,6 +191,8 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
             raise UsageError(f"the images are {size[0]}x{size[1]}, which {preset}'s {patch[0]}x{patch[1]} patches "
                              "do not tile; choose a ViT preset whose patch size divides the image size")
         over["img_size"] = size
+        if cfg.teacher is not None:
+            over.setdefault("distilled", True)
     torch.manual_seed(cfg.seed)
     model = registry.create_model(preset, **over).to(dev)
     try:
@@ -195,6 +205,52 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     if family == "cnn" and cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+@dataclass
+class Teacher:
+    """A trained CNN that labels the ViT's batches (:class:`ClassifyTask`), and where it came from."""
+
+    model: nn.Module
+    info: dict[str, Any]  # its run folder, preset, accuracy and training time, for the summary
+
+
+def load_teacher(cfg: Config, ds: Dataset, dev: torch.device) -> Teacher:
+    """The CNN of the finished run folder ``cfg.teacher``, frozen, in eval mode, on ``dev``; refused
+    (UsageError) unless that run trained a CNN to the end on the same dataset and classes."""
+    run = Path(cfg.teacher)
+    what = f"--teacher {cfg.teacher}"
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        result = summary["models"]["cnn"]
+        saved = summary["config"]
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no summary.json there; expected the folder of a finished train_cifar.py run "
+                         "that trained a CNN") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"{what}: summary.json names no trained CNN ({type(e).__name__}: {e})") from None
+    if summary.get("dataset") != cfg.dataset or list(summary.get("classes", [])) != list(ds.data.classes):
+        raise UsageError(f"{what}: its CNN learned {summary.get('dataset')!r} with classes {summary.get('classes')}; "
+                         f"this run is {cfg.dataset!r} with {list(ds.data.classes)}")
+    weights = run / "checkpoints" / "cnn.safetensors"
+    if not weights.is_file():
+        raise UsageError(f"{what}: no {weights.relative_to(run)} there; the run did not finish its CNN")
+    from safetensors.torch import load_file
+
+    over = {**json.loads(saved.get("cnn_kwargs") or "{}"), "num_classes": len(ds.data.classes)}
+    model = registry.create_model(saved["cnn_preset"], **over)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"{what}: {weights.name} does not fit {saved['cnn_preset']} ({e})") from None
+    model = model.to(dev).eval().requires_grad_(False)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    info = dict(run=str(run), preset=saved["cnn_preset"], kwargs=saved.get("cnn_kwargs") or "{}",
+                final_acc=result.get("final_acc"), epochs=result.get("epochs"),
+                train_seconds=result.get("train_seconds"),
+                hardware=summary.get("environment", {}).get("gpu") or summary.get("environment", {}).get("cpu"))
+    return Teacher(model, info)
 
 
 def context_sample(seed: int, n: int | None, num_test: int) -> torch.Tensor:
@@ -279,12 +335,13 @@ class ClassifyTask:
                  test_y: torch.Tensor, *, device: torch.device, dd: Dist, label_smoothing: float = 0.0,
                  amp_dtype: torch.dtype | None = None, channels_last: bool = False, eval_batch_size: int = 500,
                  tta: bool = True, test_distance: torch.Tensor | None = None,
-                 distance_edges: tuple[int, ...] = ()) -> None:
+                 distance_edges: tuple[int, ...] = (), teacher: nn.Module | None = None) -> None:
         self.family, self.loader, self.norm = family, loader, norm
         self.test_x, self.test_y, self.device, self.dd = test_x, test_y, device, dd
         self.label_smoothing, self.amp_dtype, self.channels_last = label_smoothing, amp_dtype, channels_last
         self.eval_batch_size, self.tta = eval_batch_size, tta
         self.test_distance, self.distance_edges = test_distance, distance_edges
+        self.teacher = teacher
         self.steps_per_epoch, self.batch_size = len(loader), loader.batch_size
 
     def batches(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -297,7 +354,15 @@ class ClassifyTask:
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(x.device, self.amp_dtype):
             logits = net(x)
-            loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+            if self.teacher is None:
+                loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+            else:  # DeiT's hard distillation: half the loss on the labels, half on the teacher's
+                with torch.no_grad():
+                    taught = self.teacher(x).argmax(1)
+                logits, dist = logits if isinstance(logits, tuple) else (logits, logits)
+                loss = (F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+                        + F.cross_entropy(dist.float(), taught)) / 2
+                logits = (logits + dist) / 2
         return loss, (logits.argmax(1) == yb).sum(), len(yb)
 
     def _evaluate(self, model: nn.Module, tta: bool) -> dict:
@@ -322,7 +387,8 @@ class ClassifyTask:
         return f"test loss {metrics['test_loss']:.4f} acc {metrics['test_acc']:.4f}"
 
 
-def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, dd: Dist) -> ClassifyTask:
+def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, dd: Dist,
+                  teacher: nn.Module | None = None) -> ClassifyTask:
     """The task of training ``family`` as ``cfg`` says on ``ds``: this rank's shard of the
     training images in batches of its recipe, augmented as it says."""
     r = cfg.recipe(family)
@@ -333,15 +399,18 @@ def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, d
                         label_smoothing=r.label_smoothing, amp_dtype=cfg.autocast_dtype(),
                         channels_last=family == "cnn" and cfg.channels_last, eval_batch_size=cfg.eval_batch_size,
                         tta=cfg.tta, test_distance=ds.test_distance,
-                        distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()))
+                        distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()), teacher=teacher)
 
 
 def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, dd: Dist,
-              ckpt: Path, ck: dict | None = None) -> loop.Run:
+              ckpt: Path, ck: dict | None = None, teacher: nn.Module | None = None) -> loop.Run:
     """``loop.start`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
-    and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps."""
+    and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps; with a
+    ``teacher``, a distilled model trains its two heads apart."""
     r = cfg.recipe(family)
-    task = classify_task(family, cfg, ds, device, dd)
+    task = classify_task(family, cfg, ds, device, dd, teacher)
+    if teacher is not None and getattr(model, "dist_token", None) is not None:
+        model.set_distilled_training(True)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
     return loop.start(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), ck=ck, ckpt=ckpt,
                       lr_at=r.lr_at, grad_clip=r.grad_clip,

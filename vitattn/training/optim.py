@@ -28,7 +28,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token"))
+        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token"))
         (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
             {"params": no_decay, "weight_decay": 0.0, "lr_scale": no_decay_lr_scale}]
