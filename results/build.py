@@ -62,6 +62,7 @@ TABLES = {
     "readme": (
         ("CIFAR-10, 10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
         ("CIFAR-10, 10 epochs", "cifar10", VIT_10, "vit", "ViT"),
+        ("CIFAR-10, 10 epochs", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
         ("CIFAR-10, 10 epochs", "cifar10", SPT_LSA_10, "vit", "ViT + SPT + LSA"),
         ("CIFAR-10, 10 epochs", "cifar10", DISTILLED_10, "vit", "ViT distilled from the CNN"),
         ("CIFAR-10, 10 epochs", "cifar10", TEACHER_10, "cnn", "its teacher: small CNN, widths 64/256/256"),
@@ -97,6 +98,7 @@ TABLES = {
         ("10 epochs", "cifar10", ("cifar10_vit_10epochs_xeon2amx", "cifar10_vit_10epochs_seed1_xeon2amx"), "vit",
          "ViT, earlier default"),
         ("10 epochs", "cifar10", VIT_10, "vit", "ViT"),
+        ("10 epochs", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
         ("10 epochs, widths 64/256/256", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
          "small CNN"),
     ),
@@ -106,6 +108,7 @@ TABLES = {
         ("class token, sin-cos table", "cifar10", "cifar10_vit_clstoken_sincos_10epochs_h200shared", "vit", "ViT"),
         ("mean of patches, learned table", "cifar10", "cifar10_vit_learnedpos_10epochs_h200shared", "vit", "ViT"),
         ("mean of patches, sin-cos table (default)", "cifar10", VIT_10, "vit", "ViT"),
+        ("the same on the CPU", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
         ("the same, depth 9, width 192, 12 heads, MLP x2", "cifar10", L_10, "vit", "ViT"),
     ),
     "vit_distillation": (
