@@ -33,8 +33,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                              "timm's ViT-B/16 (Dosovitskiy et al. 2021)"),
     # The CIFAR-10 comparison (train_cifar.py's defaults), sized to train in minutes on a CPU.
     # Read out by the mean of the patch tokens with fixed 2-D sin-cos positions, as big_vision's
-    # plain ViT (Beyer et al. 2022): 1.8 points more at ten epochs than a class token and a learned
-    # table (docs/training.md).
+    # plain ViT (Beyer et al. 2022): it learns more in ten epochs than a class token over a learned
+    # table (docs/small_data.md).
     "vit_cifar10": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=8, num_heads=4, mlp_ratio=4.0,
                                 num_classes=10, class_token=False, global_pool="avg", pos_embed="sincos2d"),
                     "the CIFAR-10 ViT: 8x8 patches of 4 px, 2-D sin-cos positions, eight blocks of width 128, 4x "
