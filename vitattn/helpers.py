@@ -97,6 +97,13 @@ def is_tracing() -> bool:
     return getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)()  # the first since torch 2.10
 
 
+def building_graph() -> bool:
+    """Whether ``torch.fx`` or ``torch.compile`` is tracing the model. Caches are then left alone:
+    an fx trace's device and dtype are proxies, and a cache written inside a compiled graph fails
+    its guard at the next call, which recompiles the whole model (constants fold into the graph)."""
+    return is_tracing() or torch.compiler.is_compiling()
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

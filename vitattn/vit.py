@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import SCORES
 from .block import Block
-from .helpers import check_bool, check_float, check_int, check_size, feature_take_indices, is_tracing, to_2tuple
+from .helpers import building_graph, check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
 from .init import lecun_normal_
 from .patch_embed import PatchEmbed, ShiftedPatchEmbed
 from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
@@ -216,12 +216,12 @@ class ViT(nn.Module):
     def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
         """The sincos table ``(1, P + gh*gw, D)`` for this grid; prefix positions are zero."""
         key = (grid, device, dtype, self.config.pos_embed)
-        if is_tracing() or key not in self._fixed_pos:  # a trace's device and dtype are proxies: no cache
+        if building_graph() or key not in self._fixed_pos:
             gh, gw, d = grid[0], grid[1], self.embed_dim
             table = sincos_2d(gh, gw, d) if self.config.pos_embed == "sincos2d" else sincos_1d(gh * gw, d)
             table = torch.cat([torch.zeros(self.num_prefix_tokens, d), table])
             table = table[None].to(device=device, dtype=dtype)
-            if is_tracing():
+            if building_graph():
                 return table
             self._fixed_pos[key] = table
         return self._fixed_pos[key]
@@ -232,10 +232,10 @@ class ViT(nn.Module):
         if not self.config.use_rot_pos_emb:
             return None
         key = ("rope", tuple(grid), x.device, x.dtype)
-        if is_tracing() or key not in self._fixed_pos:  # a trace's device and dtype are proxies: no cache
+        if building_graph() or key not in self._fixed_pos:
             sin, cos = rope_2d(grid[0], grid[1], self.embed_dim // self.config.num_heads, self.config.rope_temperature)
             angles = (sin.to(x.device, x.dtype), cos.to(x.device, x.dtype))
-            if is_tracing():
+            if building_graph():
                 return angles
             self._fixed_pos[key] = angles
         return self._fixed_pos[key]
