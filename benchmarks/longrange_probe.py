@@ -32,8 +32,7 @@ import vitattn
 from vitattn.training.classify import evaluate
 from vitattn.training.data import Normalize, channel_stats
 from vitattn.training.longrange import BACKGROUNDS, make_long_range_specs, render_long_range
-from vitattn.training.optim import param_groups
-from vitattn.training.schedule import get_lr
+from vitattn.training.optim import get_lr, param_groups
 
 
 def scenes(n: int, seed: int, task: str, background: str, target: str, cue: str) -> tuple[torch.Tensor, torch.Tensor]:

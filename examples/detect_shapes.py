@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torchvision.ops import box_iou
 
-from vitattn.training import checkpoint, detect
+from vitattn.training import detect, runfolder
 from vitattn.training.detect import Config as RunConfig
 from vitattn.training.longrange import textured_background
 from vitattn.training.runtime import environment
@@ -61,7 +61,7 @@ class Config:
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.05
     warmup: float = 0.05  # of the run, linear warm-up; then cosine to zero
-    clip_grad: float = 1.0
+    grad_clip: float = 1.0
     out_channels: int = 64  # pyramid width for both backbones
     strides: tuple[int, ...] = (8, 16)  # plus the pooled 32
     # the ViT: patch 8 gives a 16x16 grid (objects span 1.5-5 patches, as small COCO objects do
@@ -77,7 +77,7 @@ class Config:
         return RunConfig(data_dir=str(data), detector="fcos", **model, strides=self.strides,
                          out_channels=self.out_channels, min_size=self.img_size, max_size=self.img_size, aug="none",
                          epochs=self.epochs, time_budget=self.budget_min, batch_size=self.batch_size, lr=self.lr,
-                         weight_decay=self.weight_decay, warmup=self.warmup, clip_grad=self.clip_grad, workers=0,
+                         weight_decay=self.weight_decay, warmup=self.warmup, grad_clip=self.grad_clip, workers=0,
                          device="cpu", seed=self.seed, progress=False, out=str(out))
 
 
@@ -216,7 +216,7 @@ def train_run(cfg: RunConfig) -> dict:
     options.write_text(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}))
     if subprocess.run([sys.executable, str(SCRIPT), "-c", str(options)], cwd=ROOT).returncode:
         raise SystemExit(f"{SCRIPT.name} -c {options} failed; its run folder is {out}")
-    ck = checkpoint.load_checkpoint(out / "checkpoints" / "detector.pt")
+    ck = runfolder.load_checkpoint(out / "checkpoints" / "detector.pt")
     model = detect.build_model(cfg, len(ck["category_ids"]))
     model.load_state_dict(ck["model"])
     return {**json.loads((out / "summary.json").read_text()), "model": model}

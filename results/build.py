@@ -41,7 +41,8 @@ MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EP
             # up to 11 runs at once on one GPU: their images/s are shares, not the GPU's speed
             "h200shared": "NVIDIA H200 (TF32), shared by up to 11 runs"}
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
-               "seed", "accuracy", "best_accuracy", "accuracy_tta", "images_per_s", "train_min", "params", "hardware",
+               "seed", "accuracy", "best_accuracy", "accuracy_tta", "attention_px_block1", "erf_px_first",
+               "erf_px_last", "accuracy_farthest", "farthest_px", "images_per_s", "train_min", "params", "hardware",
                "torch", "git_commit", "command")
 DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_size", "train_min", "ap", "ap50",
                      "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
@@ -231,10 +232,43 @@ def run_rows(name: str, s: dict) -> list[dict]:
             "epochs": round(m["epochs"], 2), "budget_min": cfg.get("time_budget"), "seed": cfg.get("seed"),
             "accuracy": round(m["final_acc"], 4), "best_accuracy": round(m.get("best_acc", m["final_acc"]), 4),
             "accuracy_tta": round(m["final_acc_tta"], 4) if "final_acc_tta" in m else None,
-            "images_per_s": round(m["images_per_s"], 1), "train_min": round(m["train_seconds"] / 60, 2),
+            **reach(m), "images_per_s": round(m["images_per_s"], 1), "train_min": round(m["train_seconds"] / 60, 2),
             "params": m.get("params"), "hardware": machine(name), "torch": env.get("torch"),
             "git_commit": (env.get("git_commit") or "")[:10], "command": command(cfg, family)})
     return rows
+
+
+def reach(m: dict) -> dict:
+    """A run's global-context measures (its report's): the mean attention distance of the first
+    block, the effective receptive field's radius after the first and the last stage or block, and
+    (long range) the accuracy on the pairs of marks farthest apart."""
+    out = {}
+    if m.get("attention_distance_px"):
+        first = m["attention_distance_px"][0]
+        out["attention_px_block1"] = round(sum(first) / len(first), 2)
+    if m.get("erf_radius_px"):
+        out["erf_px_first"], out["erf_px_last"] = round(m["erf_radius_px"][0], 2), round(m["erf_radius_px"][-1], 2)
+    if m.get("accuracy_by_distance"):
+        d = m["accuracy_by_distance"]
+        out["accuracy_farthest"] = round(d["accuracy"][-1], 4)
+        out["farthest_px"] = f"{d['edges'][-2]:g}-{d['edges'][-1]:g}"
+    return out
+
+
+def reach_cell(rows: list[dict]) -> str:
+    """The global-context cell of a table row: its runs' measures, averaged over seeds."""
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    parts = []
+    if mean("attention_px_block1") is not None:
+        parts.append(f"attention {mean('attention_px_block1'):.1f} px in block 1")
+    if mean("erf_px_first") is not None:
+        parts.append(f"receptive field {mean('erf_px_first'):.1f} -> {mean('erf_px_last'):.1f} px")
+    if mean("accuracy_farthest") is not None:
+        parts.append(f"{100 * mean('accuracy_farthest'):.1f}% at {rows[0]['farthest_px']} px apart")
+    return "; ".join(parts)
 
 
 def runs() -> dict[str, list[dict]]:
@@ -392,8 +426,10 @@ def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
 
 def table(name: str, studies: dict[str, list[dict]]) -> str:
     """``TABLES[name]`` as markdown; a row of several runs gives the range of their accuracies."""
-    lines = ["| task | model | epochs | test accuracy | seeds | img/s | hardware | command (first seed) |",
-             "|---|---|---:|---:|---|---:|---|---|"]
+    context = name == "readme"  # the comparison's point: how far each model sees, first layer to last
+    lines = ["| task | model | epochs | test accuracy | " + ("global context | " if context else "")
+             + "seeds | img/s | hardware | command (first seed) |",
+             "|---|---|---:|---:|" + ("---|" if context else "") + "---|---:|---|---|"]
     for task, study, runs_, family, what in TABLES[name]:
         runs_ = (runs_,) if isinstance(runs_, str) else runs_
         rows = [r for run in runs_ for r in studies[study] if r["run"] == run and r["model"] == family]
@@ -408,7 +444,8 @@ def table(name: str, studies: dict[str, list[dict]]) -> str:
         kwargs = "" if rows[0]["model_kwargs"] in ("{}", "", None) else f" `{rows[0]['model_kwargs']}`"
         lines.append(f"| {task} | {what} (`{rows[0]['preset']}`{kwargs}) | "
                      f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'} | {accuracy} | "
-                     f"{', '.join(str(r['seed']) for r in rows)} | {speed:.0f} | "
+                     + (f"{reach_cell(rows)} | " if context else "")
+                     + f"{', '.join(str(r['seed']) for r in rows)} | {speed:.0f} | "
                      f"{hardware} | `{rows[0]['command']}` |")
     return "\n".join(lines) + "\n"
 

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import train_cifar as T
 from vitattn import registry
-from vitattn.training import checkpoint, classify, data, loop, report, runtime
+from vitattn.training import classify, data, loop, report, runfolder, runtime
 from vitattn.training.cli import UsageError
 
 
@@ -49,10 +49,10 @@ def keep_on_host(monkeypatch) -> None:
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(data, "load_cifar", on_host(data.load_cifar))
     monkeypatch.setattr(registry, "create_model", on_host(registry.create_model))
-    monkeypatch.setattr(checkpoint, "load_checkpoint", on_host(checkpoint.load_checkpoint))
+    monkeypatch.setattr(runfolder, "load_checkpoint", on_host(runfolder.load_checkpoint))
     monkeypatch.setattr(classify, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
     for name in ("save_atomic", "save_safetensors"):
-        monkeypatch.setattr(checkpoint, name, lambda *a, **k: None)
+        monkeypatch.setattr(runfolder, name, lambda *a, **k: None)
     monkeypatch.setattr(report, "write_report", lambda *a, **k: None)
 
 
@@ -262,10 +262,10 @@ def test_each_rank_resumes_its_own_random_streams(monkeypatch):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for rank in (0, 1):
         torch.manual_seed(0)
-        assert checkpoint.restore(ck, model, opt, scaler, torch.device("cuda", rank), rank)
+        assert runfolder.restore(ck, model, opt, scaler, torch.device("cuda", rank), rank)
         assert torch.equal(torch.get_rng_state(), states[rank]["cpu"])
         assert torch.equal(cuda.states[rank], states[rank]["cuda"])
-    assert not checkpoint.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh
+    assert not runfolder.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh
 
 
 def test_on_cuda_adamw_and_sgd_take_their_fused_kernels_and_the_cpu_keeps_foreach():

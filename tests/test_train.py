@@ -23,13 +23,12 @@ from test_data import write_batches, write_folder, write_tar
 import train_cifar as T
 from vitattn.helpers import flops_per_image
 from vitattn.training import classify, runtime
-from vitattn.training.checkpoint import save_atomic
 from vitattn.training.classify import evaluate
 from vitattn.training.data import DataError, Normalize
-from vitattn.training.optim import param_groups
+from vitattn.training.optim import get_lr, param_groups
 from vitattn.training.recipes import RECIPES
+from vitattn.training.runfolder import save_atomic
 from vitattn.training.runtime import Dist
-from vitattn.training.schedule import get_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 

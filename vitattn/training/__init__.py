@@ -4,14 +4,13 @@ built from, one concept per module, each importing only those listed before it.
     errors       every error a run raises for input it refuses (imports nothing of ours)
     cli          options declared once as dataclass fields; argparse, YAML defaults, exit statuses
     runtime      devices, processes (torchrun), precision, stop signals, random states
-    runfolder    the run folder: created, locked, resumed; files that survive a crash
-    checkpoint   checkpoints written atomically, checked before loading, restored per rank
-    optim        optimisers by name (AdamW, SGD, Muon), parameter groups, the EMA of the weights
-    schedule     the learning rate as a function of the run's progress
+    runfolder    the run folder: created, locked, resumed; files and checkpoints that survive a crash
+    optim        optimisers by name (AdamW, SGD, Muon), parameter groups, the lr schedule, the EMA
     data         CIFAR-style images as uint8 tensors, batches augmented on the device
     longrange    the generated long-range task
     recipes      how each model family trains by default
     loop         one training loop; a task plugs in what a batch, its loss and an evaluation are
+    session      a script's run start to end: options, folder, checkpoints, Ctrl-C, torchrun
     classify     classification as a task, with the options of train_cifar.py
     detect       detection on a COCO-format folder as a task, with the options of train_detection.py
     report       a run's global-context measures, figures and report.md

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import registry
-from ..helpers import flops_per_image, to_2tuple
+from ..helpers import count_params, flops_per_image, to_2tuple
 from . import cli, data, loop, optim, runtime
 from .cli import option
 from .errors import UsageError
@@ -418,3 +418,20 @@ def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: t
                       budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, dd=dd,
                       seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
                       compile=cfg.compile, config=dataclasses.asdict(cfg))
+
+
+def describe_run(family: str, model: nn.Module, cfg: Config, run: loop.Run, pipeline: dict,
+                 teacher: Teacher | None) -> list[str]:
+    """The lines a run opens with: the model, its recipe and precision, the batch pipeline's
+    speed alone, a precision warning, the teacher."""
+    r = cfg.recipe(family)
+    lines = [f"[{family}] {cfg.preset(family)}: {count_params(model) / 1e6:.3f} M params, {model.flops / 1e6:.1f} "
+             f"MFLOP/img; {r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} "
+             f"({run.task.steps_per_epoch} steps/epoch); {run.precision} on {run.device}; pipeline alone "
+             f"{pipeline.get('augmented_images_per_s', 0):.0f} img/s"]
+    if runtime.precision_warning(run.device, cfg.autocast_dtype()):
+        lines.append(f"[{family}] warning: {runtime.precision_warning(run.device, cfg.autocast_dtype())}")
+    if teacher:
+        lines.append(f"[{family}] teacher: {teacher.info['preset']} of {teacher.info['run']} "
+                     f"({teacher.info['final_acc']:.4f} in {teacher.info['train_seconds'] / 60:.1f} min of training)")
+    return lines

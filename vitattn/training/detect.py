@@ -32,6 +32,8 @@ from ..detection import (
     coco_eval,
     coco_results,
 )
+from ..helpers import count_params
+from . import loop, runtime
 from .cli import check_fields, option, preset_kwargs
 from .data import read_image
 from .errors import UsageError, preview
@@ -70,7 +72,7 @@ class Config:
     warmup: float = option(0.02, "fraction of the run spent warming up the lr, in [0, 1); then cosine to 0")
     model_ema_decay: float = option(0.0, "keep and evaluate an exponential moving average of the weights with this "
                                          "decay (timm's --model-ema-decay), in [0, 1); 0 = off")
-    clip_grad: float = option(1.0, "max gradient norm; 0 = off", aliases=("--grad-clip",))
+    grad_clip: float = option(1.0, "max gradient norm; 0 = off", aliases=("--clip-grad",))
     workers: int = option(min(8, os.cpu_count() or 1), "data loading processes (default: the CPUs, at most 8); 0 "
                           "loads in this one", aliases=("-j",))
     limit_train: int | None = option(None, "use only the first N training images")
@@ -91,7 +93,7 @@ class Config:
 
     POSITIVE = ("strides", "out_channels", "window_size", "min_size", "max_size", "epochs", "time_budget",
                 "batch_size", "lr", "limit_train", "limit_val", "detections_per_img")
-    NON_NEGATIVE = ("weight_decay", "clip_grad", "workers", "seed")
+    NON_NEGATIVE = ("weight_decay", "grad_clip", "workers", "seed")
     FRACTION = ("warmup", "score_thresh", "model_ema_decay")
 
     def __post_init__(self) -> None:
@@ -485,3 +487,16 @@ def detection_task(cfg: Config, device: torch.device, dd: Dist) -> DetectionTask
         raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
     return DetectionTask(train, val, category_ids, batch_size=cfg.batch_size // dd.world, workers=cfg.workers,
                          seed=cfg.seed, device=device, dd=dd, max_dets=cfg.detections_per_img)
+
+
+def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: loop.Run) -> list[str]:
+    """The lines a run opens with: detector, backbone and size, the splits (and what in them was
+    odd), the precision, and a warning when the CPU has no native bf16."""
+    lines = [f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(task.train.image_ids)} "
+             f"train / {len(task.val.image_ids)} val images, {len(task.category_ids) - 1} categories; {run.precision} "
+             f"on {run.device}, world size {run.dd.world}"]
+    for name, split in ((cfg.train_split, task.train), (cfg.val_split, task.val)):
+        lines.append(f"{name}: " + ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in split.odd.items()))
+    if runtime.precision_warning(run.device, cfg.autocast_dtype()):
+        lines.append(f"warning: {runtime.precision_warning(run.device, cfg.autocast_dtype())}")
+    return lines

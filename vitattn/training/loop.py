@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..helpers import count_params
-from . import checkpoint, optim, runfolder, runtime
+from . import optim, runfolder, runtime
 from .errors import Interrupted, NonFiniteLoss
-from .schedule import run_progress
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
 # torchrun's ranks agree on the clock, Ctrl-C and a NaN there, so they stop at the same step.
@@ -106,7 +105,7 @@ class Run:
     started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
 
     def progress(self) -> float:
-        return run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
+        return optim.run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
 
     def images_per_s(self) -> float:
         return self.st.images_seen * self.dd.world / max(self.st.train_seconds, 1e-9)
@@ -116,7 +115,7 @@ class Run:
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
-        checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+        runfolder.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                 "state": asdict(self.st), "rng": rng, "family": self.task.family,
                                 "config": self.config, "result": result or {}, **self.extra, **extra}, self.ckpt)
 
@@ -127,14 +126,14 @@ def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.Optim
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
           config: dict | None = None, extra: dict | None = None) -> Run:
     """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``ck`` (read and checked by
-    ``checkpoint.resume_checkpoint``) when resuming. ``amp_dtype`` only names the precision and
+    ``runfolder.resume_checkpoint``) when resuming. ``amp_dtype`` only names the precision and
     sets up fp16's gradient scaler: the task runs its forward pass under autocast."""
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     st = TrainState()
     restored = False
     if ck is not None:
-        restored = checkpoint.restore(ck, model, opt, scaler, device, dd.rank)
+        restored = runfolder.restore(ck, model, opt, scaler, device, dd.rank)
         st = TrainState(**ck["state"])
         if ema is not None and not st.done:
             ema.load_state_dict(ck["ema"])

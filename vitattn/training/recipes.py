@@ -14,8 +14,7 @@ from typing import Any
 from .cli import option
 from .data import PADDING_MODES
 from .errors import UsageError
-from .optim import OPTIMIZERS
-from .schedule import get_lr
+from .optim import OPTIMIZERS, get_lr
 
 
 @dataclass

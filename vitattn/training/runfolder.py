@@ -1,5 +1,7 @@
 """The run folder: created once everything is checked, held by one process (a lock), resumed
-with the options it was started with, and written through files that survive a crash."""
+with the options it was started with, and written through files that survive a crash; its
+checkpoints (read on the CPU and checked against the run's model before anything loads, restored
+with every rank's random streams) and the final weights as safetensors."""
 
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ try:
 except ImportError:  # pragma: no cover
     fcntl = None
 
+import torch
+from torch import nn
+
 from .errors import CheckpointError, UsageError, preview
+from .runtime import set_rng_states
 
 LOW_SPACE = 1 << 20  # bytes free under which a failed write is put down to a full disk
 
@@ -48,12 +54,20 @@ def writing(path: Path, tmp: Path | None = None):
                               f"{path.name}; {kept}. Free some space, then --resume the run.") from e
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def atomic(path: Path):
+    """Write ``path`` through the temp file this yields, renamed over it at the end: a crash never
+    leaves half a file, and a failed write leaves no temp file (``writing``)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with writing(path, tmp):
-        tmp.write_text(text)
+        yield tmp
         os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic(path) as tmp:
+        tmp.write_text(text)
 
 
 @contextlib.contextmanager
@@ -168,3 +182,75 @@ def start_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> Non
         raise UsageError(f"--out {out} cannot be created ({e})") from None
     stack.enter_context(hold(out, True))
     write_text_atomic(out / "config.json", json.dumps({**dataclasses.asdict(config), "out": str(out)}, indent=1))
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temp file (``atomic``; a full disk raises a ``CheckpointError``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """``torch.load(weights_only=True)`` onto the CPU, whatever device saved it: ``load_state_dict``
+    moves weights and optimiser state to the model's device, and random states must stay CPU
+    tensors. An unreadable file raises a ``CheckpointError`` naming it."""
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file surfaces as zip, pickle, EOF or OS errors, depending on where
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                              "it was left untouched. Move it away to train that model afresh.") from e
+    if not isinstance(ck, dict) or not {"model", "optimizer", "state"} <= set(ck):
+        raise CheckpointError(f"checkpoint {path} is not a training checkpoint (expected model, optimizer and "
+                              "state entries); it was left untouched.")
+    return ck
+
+
+def check_checkpoint(ck: dict, model: nn.Module, family: str, path: Path) -> None:
+    """A checkpoint must hold this run's model: same family, same weights' names and shapes."""
+    ours, theirs = model.state_dict(), ck["model"]
+    wrong = [k for k in ours if k not in theirs or tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    wrong += [k for k in theirs if k not in ours]
+    if ck.get("family", family) != family or wrong:
+        raise CheckpointError(f"checkpoint {path} does not hold this run's {family} model (a {ck.get('family')} "
+                              f"checkpoint; {len(wrong)} weights differ in name or shape, e.g. {wrong[:3]}); it was "
+                              "left untouched")
+
+
+def resume_checkpoint(path: Path, model: nn.Module, family: str, state: type | None = None) -> dict | None:
+    """The checkpoint at ``path`` read and checked against ``model`` (and, given the dataclass of
+    the loop's ``state``, that its state has no field the loop does not know); None when there is none."""
+    if not Path(path).exists():
+        return None
+    ck = load_checkpoint(path)
+    check_checkpoint(ck, model, family, path)
+    unknown = sorted(set(ck["state"]) - {f.name for f in dataclasses.fields(state)}) if state is not None else []
+    if unknown:
+        raise CheckpointError(f"checkpoint {path} was written by another version of the training loop (its state "
+                              f"has {', '.join(unknown)}); it was left untouched. Start a new run.")
+    return ck
+
+
+def restore(ck: dict, model: nn.Module, opt: Any, scaler: torch.amp.GradScaler, device: torch.device,
+            rank: int = 0) -> bool:
+    """Load a checkpoint's weights, optimiser state, fp16 loss scale and this rank's random streams
+    (``ck['rng']`` holds one entry per rank, ``runtime.all_rng_states``). Returns False when the
+    checkpoint has no random state for ``rank`` (a run resumed with more processes than it had):
+    the caller seeds that rank afresh."""
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    if scaler.is_enabled() and "scaler" in ck:
+        scaler.load_state_dict(ck["scaler"])
+    if rank >= len(ck["rng"]):
+        return False
+    set_rng_states(ck["rng"][rank], device)
+    return True
+
+
+def save_safetensors(model: nn.Module, path: Path) -> None:
+    """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
+    from safetensors.torch import save_file
+
+    with atomic(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
