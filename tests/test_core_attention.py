@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from vitattn import SCORES, MultiHeadAttention, window_mask
+import vitattn
+from vitattn import SCORES, AttentionConfig, MultiHeadAttention, window_mask
 
 
 def seeded(seed=0):
@@ -254,32 +255,47 @@ def test_qk_norm_attention_does_not_depend_on_the_scale_of_the_qk_weights():
 
 
 
-# -- the readable class -------------------------------------------------------------------------
-def test_the_readable_attention_class_equals_its_fused_path_timms_attention_and_the_full_layer():
-    """Attention is the whole computation in one screen: its explicit path (scores, softmax,
-    weighted sum) equals its fused kernel, timm's Attention with the same weights, and the
-    full-featured MultiHeadAttention the ViT uses, in outputs and gradients."""
+# -- one class, one options object ----------------------------------------------------------------
+def test_the_attention_class_equals_its_fused_path_and_timms_attention():
+    """The whole computation in one class: its explicit path (scores, softmax, weighted sum)
+    equals its fused kernel and timm's Attention with the same weights, in outputs and gradients;
+    ``Attention`` is timm's name for the same class."""
     from vitattn.attention import Attention
 
+    assert Attention is MultiHeadAttention
     torch.manual_seed(0)
     x = torch.randn(2, 7, 32, requires_grad=True)
-    plain = Attention(32, num_heads=4, qkv_bias=True).eval()
-    out_explicit, weights = plain(x, return_attention=True)
-    out_fused = plain(x)
+    attn = MultiHeadAttention(32, num_heads=4, qkv_bias=True).eval()
+    out_explicit, weights = attn(x, return_attention=True)
+    out_fused = attn(x)
     torch.testing.assert_close(out_fused, out_explicit, atol=1e-5, rtol=1e-5)
     assert weights.shape == (2, 4, 7, 7) and torch.allclose(weights.sum(-1), torch.ones(2, 4, 7))
     (g_fused,) = torch.autograd.grad(out_fused.square().sum(), x)
     (g_explicit,) = torch.autograd.grad(out_explicit.square().sum(), x)
     torch.testing.assert_close(g_fused, g_explicit, atol=1e-5, rtol=1e-5)
 
-    full = MultiHeadAttention(32, num_heads=4, qkv_bias=True).eval()
-    full.load_state_dict(plain.state_dict())
-    torch.testing.assert_close(full(x), out_fused)
-
     timm_vit = pytest.importorskip("timm.models.vision_transformer")
     theirs = timm_vit.Attention(32, num_heads=4, qkv_bias=True).eval()
-    theirs.load_state_dict(plain.state_dict())
+    theirs.load_state_dict(attn.state_dict())
     torch.testing.assert_close(theirs(x), out_fused, atol=1e-5, rtol=1e-5)
+
+
+def test_options_come_as_one_config_passed_down_or_as_keywords():
+    """A config and the same keywords build the same layer; the ViT builds one config and hands
+    it to every block, where only the window differs (set by the ViT's config alone)."""
+    cfg = AttentionConfig(num_heads=2, qkv_bias=True, score="general", window_size=2)
+    a, b = MultiHeadAttention(8, config=cfg), MultiHeadAttention(8, 2, qkv_bias=True, score="general", window_size=2)
+    assert a.config == b.config and a.window_size == b.window_size == (2, 2)
+    assert {k: v.shape for k, v in a.state_dict().items()} == {k: v.shape for k, v in b.state_dict().items()}
+    with pytest.raises(TypeError, match="either as config= or as keywords"):
+        MultiHeadAttention(8, 2, config=cfg)
+    vit = vitattn.ViT(img_size=32, patch_size=8, embed_dim=16, depth=3, num_heads=2, score="dot", window_size=2,
+                      window_block_indexes=(0, 2))
+    configs = [blk.attn.config for blk in vit.blocks]
+    assert [c.window_size for c in configs] == [2, None, 2]
+    assert {c.score for c in configs} == {"dot"} and {c.qkv_bias for c in configs} == {True}
+    default = vitattn.ViT(img_size=32, patch_size=8, embed_dim=16, depth=6, num_heads=2, window_size=2)
+    assert default.config.window_block_indexes == (0, 1, 3, 4)  # ViTDet's layout: every third block global
 
 
 def test_a_score_module_is_a_piece_of_its_own():

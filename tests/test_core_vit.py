@@ -355,3 +355,25 @@ def test_short_training_lowers_the_loss(name):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::8]
+
+
+def test_every_model_family_takes_timms_contract_from_one_mixin():
+    """ViT, CNN and the bag of features share TimmModel: a checkpoint with a head of another size
+    loads into each with the head skipped and named, and reset_classifier follows each one's rules."""
+    from vitattn.contract import TimmModel
+
+    for name in ("vit_quick", "cnn_quick", "bof_longrange"):
+        src, dst = create_model(name, num_classes=7), create_model(name, num_classes=3)
+        assert isinstance(dst, TimmModel) and dst.default_cfg is dst.pretrained_cfg
+        report = dst.load_weights(src.state_dict())
+        head = dst.pretrained_cfg["classifier"]
+        assert report["skipped"] == [f"{head}.weight"] + ([f"{head}.bias"] if f"{head}.bias" in src.state_dict()
+                                                          else []), name
+        assert not report["missing"] and not report["unexpected"]
+        body = {k: v for k, v in src.state_dict().items() if not k.startswith(head + ".")}
+        assert all(torch.equal(dst.state_dict()[k], v) for k, v in body.items()), name
+        dst.reset_classifier(0)
+        assert dst.num_classes == dst.pretrained_cfg["num_classes"] == 0 and isinstance(dst.get_classifier(),
+                                                                                          torch.nn.Identity)
+        with pytest.raises(ValueError):
+            dst.reset_classifier(0, global_pool="nonsense")

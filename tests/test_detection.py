@@ -10,14 +10,8 @@ import torch
 from coco_oracle import average_precision, coco_map_reference
 
 from vitattn import ViT, resample_abs_pos_embed
-from vitattn.detection import (
-    DETECTORS,
-    ViTDetBackbone,
-    build_detector,
-    coco_map,
-    set_window_attention,
-    vitdet_window_blocks,
-)
+from vitattn.detection import DETECTORS, ViTDetBackbone, build_detector, vitdet_window_blocks
+from vitattn.training.coco import coco_map
 
 
 def tiny_vit(**kw) -> ViT:
@@ -67,36 +61,37 @@ def test_backbone_drops_head_and_accepts_any_size():
 # -- windows ----------------------------------------------------------------------------------
 def test_vitdet_window_layout():
     assert vitdet_window_blocks(12) == (0, 1, 3, 4, 6, 7, 9, 10)  # global in 2, 5, 8, 11
-    vit = set_window_attention(tiny_vit(depth=6), 14)
+    vit = tiny_vit(depth=6, window_size=14)  # windows are the ViT's config, ViTDet's layout by default
     assert [b.attn.window_size for b in vit.blocks] == [(14, 14), (14, 14), None] * 2
     assert vit.config.window_size == 14 and vit.config.window_block_indexes == (0, 1, 3, 4)
-    set_window_attention(vit, None)
-    assert all(b.attn.window_size is None for b in vit.blocks)
-    with pytest.raises(ValueError, match="out of range"):
-        set_window_attention(vit, 4, [7])
+    bb = ViTDetBackbone(vit, 16)
+    assert [b.attn.window_size for b in bb.vit.blocks] == [(14, 14), (14, 14), None] * 2
+    with pytest.raises(ValueError, match="block indices in 0..5"):
+        tiny_vit(depth=6, window_size=4, window_block_indexes=[7])
 
 
 @pytest.mark.parametrize("window", [6, 9])  # 6 covers the 6x5 grid exactly, 9 overhangs it (padded)
 def test_window_covering_grid_equals_global(window):
     x = torch.randn(2, 3, 96, 80)
     glob = ViTDetBackbone(tiny_vit(), 16).eval()
-    win = ViTDetBackbone(tiny_vit(), 16, window_size=window, window_block_indexes=[0, 1, 2]).eval()
+    win = ViTDetBackbone(tiny_vit(window_size=window, window_block_indexes=[0, 1, 2]), 16).eval()
     win.load_state_dict(glob.state_dict())
     with torch.no_grad():
         a, b = glob(x), win(x)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
     # and a window smaller than the grid really changes the result
-    set_window_attention(win.vit, 3, [0, 1, 2])
+    small = ViTDetBackbone(tiny_vit(window_size=3, window_block_indexes=[0, 1, 2]), 16).eval()
+    small.load_state_dict(glob.state_dict())
     with torch.no_grad():
-        assert (win(x)["2"] - a["2"]).abs().max() > 1e-3
+        assert (small(x)["2"] - a["2"]).abs().max() > 1e-3
 
 
 def test_windows_do_not_see_each_other():
     """With windows in every block (and no class token to carry information across), the map of
     the top-left window ignores pixels in the others, also when the grid does not divide."""
-    vit = tiny_vit(class_token=False, global_pool="avg")
-    bb = ViTDetBackbone(vit, 16, window_size=3, window_block_indexes=[0, 1, 2]).eval()
+    vit = tiny_vit(class_token=False, global_pool="avg", window_size=3, window_block_indexes=[0, 1, 2])
+    bb = ViTDetBackbone(vit, 16).eval()
     x = torch.randn(1, 3, 112, 80)  # grid 7x5: windows of 3 overhang on both sides
     y = x.clone()
     y[:, :, 48:, :] += torch.randn_like(y[:, :, 48:, :])  # rows of windows below the first
@@ -254,8 +249,8 @@ def test_build_detector_checks():
     with pytest.raises(ValueError, match="multiple of 32, got 24"):
         build_detector("fcos", tiny_vit(), 3, out_channels=24)
     bb = ViTDetBackbone(tiny_vit(), 32)
-    with pytest.raises(ValueError, match="belong to ViTDetBackbone"):
-        build_detector("fcos", bb, 3, window_size=4)
+    with pytest.raises(ValueError, match="belongs to ViTDetBackbone"):
+        build_detector("fcos", bb, 3, out_channels=64)
     model = build_detector("retinanet", bb, 3)
     assert model.backbone is bb
     # anchors follow the strides: RetinaNet's 4x stride, three octave scales

@@ -56,7 +56,8 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     loaded, on_use = out.stdout.splitlines()
-    models = {"attention", "block", "bof", "cnn", "datasets", "features", "helpers", "init", "patch_embed", "pos_embed",
+    models = {"attention", "block", "bof", "cnn", "contract", "datasets", "features", "helpers", "init", "patch_embed",
+              "pos_embed",
               "registry", "scores", "timm_compat", "vit", "window"}
     assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, detection
     assert on_use == "True"

@@ -91,7 +91,7 @@ def test_a_distilled_vit_averages_its_two_heads_and_trains_them_apart(kw):
     x = torch.randn(3, 3, 32, 32)
     model.eval()
     feats = model.forward_features(x)
-    cls = model.head(model.fc_norm(model.pool(feats)))
+    cls = model.head(model.fc_norm(vitattn.vit.pool_tokens(feats, model.global_pool, model.num_prefix_tokens)))
     dist = model.head_dist(feats[:, model.num_prefix_tokens - 1])
     torch.testing.assert_close(model(x), (cls + dist) / 2)
     assert model.forward_head(feats, pre_logits=True).shape == (3, 128)

@@ -17,7 +17,7 @@ and statistics) load with the models.
 import importlib
 
 from . import datasets, init, scores, window
-from .attention import SCORES, Attention, MultiHeadAttention, window_mask
+from .attention import SCORES, Attention, AttentionConfig, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN, whitening_filters
 from .patch_embed import PatchEmbed, patchify, unpatchify
@@ -38,7 +38,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "SCORES", "Attention", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp", "MultiHeadAttention", "PRESETS",
+    "SCORES", "Attention", "AttentionConfig", "Block", "CNNConfig", "DropPath", "LayerScale", "Mlp",
+    "MultiHeadAttention", "PRESETS",
     "PatchEmbed", "SmallCNN", "ViT", "ViTConfig", "create_model", "from_timm", "get_config", "list_models",
     "apply_rope", "patchify", "rotate_qk", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
     "to_timm_state_dict",

@@ -10,13 +10,13 @@ queries come from one sequence (the target) and keys/values from another (the so
 attention splits the width into ``heads`` independent attentions of width ``d`` that run in
 parallel (one batched matrix product) and joins them with the output projection ``proj``.
 
-:class:`Attention` is that computation and nothing else, in one screen: the ``qkv`` projection,
-the heads, the score (``q . k / sqrt(d)`` by default), the softmax, the weighted sum, the join,
-for self- and cross-attention. :class:`MultiHeadAttention` composes the variants the ViT, the
-study and detection use around it, each a piece of its own: a score function by name
-(:mod:`vitattn.scores`: ``dot``, ``scaled_dot``, ``general``, ``additive``; *different Q-K
-scores give different attention mechanisms*), masks, rotary position codes
-(:func:`vitattn.pos_embed.rotate_qk`) and window attention (:mod:`vitattn.window`).
+:class:`MultiHeadAttention` is that computation: the ``qkv`` projection, the heads, the score
+(``q . k / sqrt(d)`` by default), the softmax, the weighted sum, the join, for self- and
+cross-attention. Its options are one :class:`AttentionConfig`, passed down whole from the ViT's
+config through each block: a score function by name (:mod:`vitattn.scores`: ``dot``,
+``scaled_dot``, ``general``, ``additive``, ``lsa``; *different Q-K scores give different attention
+mechanisms*), widths, biases, dropout and window attention (:mod:`vitattn.window`). Masks, the patch
+grid and rotary position codes (:func:`vitattn.pos_embed.rotate_qk`) are arguments of the call.
 
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
@@ -33,6 +33,7 @@ References: Vaswani et al. 2017; timm ``vision_transformer.Attention``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .helpers import Size2, to_2tuple
 from .pos_embed import rotate_qk
-from .scores import SCORES, ScaledDot
+from .scores import SCORES
 from .window import window_attend, window_mask
 
-__all__ = ["SCORES", "Attention", "MultiHeadAttention", "merge_masks", "window_mask"]
+__all__ = ["SCORES", "Attention", "AttentionConfig", "MultiHeadAttention", "merge_masks", "window_mask"]
 
 # calls in a torch.fx trace (torchvision's create_feature_extractor), not traced into: they read
 # shapes and devices, which are proxies while tracing
@@ -83,43 +84,70 @@ def check_tokens(x: torch.Tensor, weight: torch.Tensor, name: str = "tokens") ->
         raise TypeError(f"expected {weight.dtype} {name} (the weights' dtype, or any under autocast), got {x.dtype}")
 
 
-class Attention(nn.Module):
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The options of one attention layer, built once (``ViT`` from its ``ViTConfig``) and passed
+    down whole; a block's window is the one field that differs between blocks."""
+
+    num_heads: int = 8
+    hidden_dim: int | None = None  # width of q, k, v (all heads together); default: the tokens' width
+    context_dim: int | None = None  # width of the context tokens in cross-attention, when it differs
+    out_dim: int | None = None  # width after ``proj``; default: hidden_dim
+    score: str | nn.Module = "scaled_dot"  # a name in SCORES, or a score module built for these heads
+    qkv_bias: bool = False
+    qk_norm: bool = False  # LayerNorm on q and k per head (Dehghani et al. 2023)
+    attn_drop: float = 0.0
+    proj_drop: float = 0.0
+    window_size: int | Size2 | None = None  # attend within windows of the patch grid (ViTDet); None: global
+    fused: bool = True  # the fused kernel wherever it computes the same thing
+    norm_eps: float = 1e-6
+
+
+class MultiHeadAttention(nn.Module):
     """Multi-head attention as it is taught: ``(B, N, dim) [+ context (B, Nk, context_dim)] -> (B, N, out_dim)``.
 
     Q, K and V are linear maps of the tokens (one ``qkv`` layer; in cross-attention keys and
     values come from ``context``, through separate ``q`` and ``kv`` layers when its width differs);
     the width splits into ``num_heads`` attentions of width ``d`` that run side by side; each
-    query scores every key with ``score_fn`` (``q . k / sqrt(d)`` unless another is given), a
+    query scores every key with ``score_fn`` (``q . k / sqrt(d)`` unless another is named), a
     softmax turns the scores into weights, the weighted sum of the values is the output, and
     ``proj`` joins the heads. :meth:`attend` holds the readable path and the fused kernel beside
-    it; tests hold them equal. The parameter names are timm's. :class:`MultiHeadAttention` adds
-    scores by name, masks, rotary codes and windows.
+    it; tests hold them equal. The parameter names are timm's.
+
+    Built from an :class:`AttentionConfig` (``config=``) or its fields as keywords:
+    ``MultiHeadAttention(10, 2, hidden_dim=20)`` is the notes' ``selfAttention(2, 10, 20)``.
     """
 
-    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, context_dim: int | None = None,
-                 out_dim: int | None = None, score_fn: nn.Module | None = None, qkv_bias: bool = False,
-                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0, fused: bool = True,
-                 norm_eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, num_heads: int | None = None, *, config: AttentionConfig | None = None,
+                 **options) -> None:
         super().__init__()
-        hidden_dim = hidden_dim or dim
-        if hidden_dim % num_heads:
-            raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = d = hidden_dim // num_heads
+        if config is None:
+            config = AttentionConfig(**({"num_heads": num_heads} if num_heads is not None else {}), **options)
+        elif num_heads is not None or options:
+            raise TypeError("pass the options either as config= or as keywords, not both")
+        c = self.config = config
+        if isinstance(c.score, str) and c.score not in SCORES:
+            raise ValueError(f"unknown score {c.score!r}; expected one of {tuple(SCORES)}")
+        hidden_dim = c.hidden_dim or dim
+        if hidden_dim % c.num_heads:
+            raise ValueError(f"hidden width {hidden_dim} is not divisible by the number of heads {c.num_heads}")
+        self.num_heads = c.num_heads
+        self.head_dim = d = hidden_dim // c.num_heads
         self.hidden_dim = hidden_dim
-        self.fused = fused  # use the fused kernel wherever it computes the same thing
-        self.cross = context_dim is not None and context_dim != dim  # keys and values from tokens of another width
+        self.fused = c.fused
+        self.cross = c.context_dim is not None and c.context_dim != dim  # keys and values from tokens of another width
         if self.cross:
-            self.q = nn.Linear(dim, hidden_dim, bias=qkv_bias)
-            self.kv = nn.Linear(context_dim, 2 * hidden_dim, bias=qkv_bias)
+            self.q = nn.Linear(dim, hidden_dim, bias=c.qkv_bias)
+            self.kv = nn.Linear(c.context_dim, 2 * hidden_dim, bias=c.qkv_bias)
         else:
-            self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=qkv_bias)
-        self.q_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()  # Dehghani et al. 2023
-        self.k_norm = nn.LayerNorm(d, eps=norm_eps) if qk_norm else nn.Identity()
-        self.score_fn = score_fn if score_fn is not None else ScaledDot(num_heads, d)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(hidden_dim, out_dim or hidden_dim)
-        self.proj_drop = nn.Dropout(proj_drop)
+            self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=c.qkv_bias)
+        self.q_norm = nn.LayerNorm(d, eps=c.norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(d, eps=c.norm_eps) if c.qk_norm else nn.Identity()
+        self.score_fn = SCORES[c.score](c.num_heads, d) if isinstance(c.score, str) else c.score
+        self.attn_drop = nn.Dropout(c.attn_drop)
+        self.proj = nn.Linear(hidden_dim, c.out_dim or hidden_dim)
+        self.proj_drop = nn.Dropout(c.proj_drop)
+        self.window_size = to_2tuple(c.window_size) if c.window_size is not None else None
 
     def project_qkv(self, x: torch.Tensor, context: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,52 +190,6 @@ class Attention(nn.Module):
     def join_heads(self, out: torch.Tensor) -> torch.Tensor:
         """``(B, heads, N, d) -> (B, N, out_dim)``: concatenate the heads, project, drop."""
         return self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
-
-    def attention(self, x: torch.Tensor, context: torch.Tensor | None = None, *, need_weights: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The output and, when ``need_weights``, the weights ``(B, heads, Nq, Nk)`` (else None)."""
-        check_tokens(x, self.proj.weight)
-        if context is not None:
-            check_tokens(context, self.proj.weight, "context tokens")
-        q, k, v = self.project_qkv(x, context)
-        out, weights = self.attend(q, k, v, need_weights=need_weights)
-        return self.join_heads(out), weights
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, return_attention: bool = False,
-                **options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The output ``(B, Nq, out_dim)``; with ``return_attention=True`` the pair (output, weights
-        ``(B, heads, Nq, Nk)``). ``options`` go to :meth:`attention` (a ``MultiHeadAttention``'s
-        masks, grid and rotary codes)."""
-        out, weights = self.attention(x, context, need_weights=return_attention, **options)
-        return (out, weights) if return_attention else out
-
-
-class MultiHeadAttention(Attention):
-    """:class:`Attention` with the variants the ViT, the study and detection use composed
-    around it: ``(B, Nq, dim) [+ context (B, Nk, context_dim)] -> (B, Nq, out_dim)``.
-
-    Args (besides :class:`Attention`'s):
-        score: a name in :data:`vitattn.scores.SCORES`, or a score module built for these heads
-            (e.g. ``scores.Additive(heads, d, additive_dim=64)``).
-        window_size: attend within non-overlapping windows of the patch grid (ViTDet); needs
-            ``grid``. ``None`` is global attention.
-    Masks, the patch grid, the prefix tokens and rotary codes are options of :meth:`attention`.
-    """
-
-    def __init__(self, dim: int, num_heads: int = 8, *, hidden_dim: int | None = None, context_dim: int | None = None,
-                 out_dim: int | None = None, score: str | nn.Module = "scaled_dot", qkv_bias: bool = False,
-                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 window_size: int | Size2 | None = None, fused: bool = True, norm_eps: float = 1e-6) -> None:
-        if isinstance(score, str) and score not in SCORES:
-            raise ValueError(f"unknown score {score!r}; expected one of {tuple(SCORES)}")
-        width = hidden_dim or dim
-        if width % num_heads:
-            raise ValueError(f"hidden width {width} is not divisible by the number of heads {num_heads}")
-        score_fn = SCORES[score](num_heads, width // num_heads) if isinstance(score, str) else score
-        super().__init__(dim, num_heads, hidden_dim=hidden_dim, context_dim=context_dim, out_dim=out_dim,
-                         score_fn=score_fn, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
-                         proj_drop=proj_drop, fused=fused, norm_eps=norm_eps)
-        self.window_size = to_2tuple(window_size) if window_size is not None else None
 
     def attention(
         self,
@@ -255,6 +237,16 @@ class MultiHeadAttention(Attention):
             out, weights = self.attend(q, k, v, mask, need_weights=True)
             return self.join_heads(out), weights
         return self.join_heads(window_attend(self.attend, q, k, v, grid, self.window_size, num_prefix_tokens)), None
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, return_attention: bool = False,
+                **options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output ``(B, Nq, out_dim)``; with ``return_attention=True`` the pair (output, weights
+        ``(B, heads, Nq, Nk)``). ``options`` go to :meth:`attention` (masks, grid, rotary codes)."""
+        out, weights = self.attention(x, context, need_weights=return_attention, **options)
+        return (out, weights) if return_attention else out
+
+
+Attention = MultiHeadAttention  # timm's name for it
 
 
 def merge_masks(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, q_shape: torch.Size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import MultiHeadAttention
+from .attention import AttentionConfig, MultiHeadAttention
 from .helpers import Size2
 
 
@@ -67,44 +67,25 @@ class Block(nn.Module):
 
     Args:
         dim: token width ``D``.
-        num_heads: attention heads.
+        attn: the attention's options (:class:`AttentionConfig`: heads, score, biases, dropout,
+            window); its ``proj_drop`` also drops after the MLP.
         mlp_ratio: MLP hidden width as a multiple of ``D``.
-        qkv_bias, qk_norm, score: passed to :class:`MultiHeadAttention`.
-        proj_drop, attn_drop: dropout after projections and on attention weights.
         init_values: LayerScale start value; ``None`` for no LayerScale.
         drop_path: stochastic depth rate of this block.
-        window_size: window attention (ViTDet) instead of global; ``None`` for global.
 
     ``forward`` / ``forward_first`` take ``rope``, rotary angles for the patch tokens
     (:func:`vitattn.pos_embed.rotate_qk`), or ``None``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        *,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        qk_norm: bool = False,
-        score: str = "scaled_dot",
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        init_values: float | None = None,
-        drop_path: float = 0.0,
-        window_size: int | Size2 | None = None,
-        norm_eps: float = 1e-6,
-    ) -> None:
+    def __init__(self, dim: int, attn: AttentionConfig, *, mlp_ratio: float = 4.0, init_values: float | None = None,
+                 drop_path: float = 0.0, norm_eps: float = 1e-6) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = MultiHeadAttention(
-            dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, score=score,
-            attn_drop=attn_drop, proj_drop=proj_drop, window_size=window_size, norm_eps=norm_eps,
-        )
+        self.attn = MultiHeadAttention(dim, config=attn)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=attn.proj_drop)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 

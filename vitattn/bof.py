@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .cnn import check_images, conv_bn, stage_intermediates
+from .contract import TimmModel, resolve_config
 from .helpers import check_int, feature_take_indices
 
 torch.fx.wrap("check_images")  # a call in a torch.fx trace: it reads shapes, which are proxies there
@@ -50,7 +51,7 @@ def check_pool(global_pool: str, num_classes: int) -> None:
                          f"{num_classes}")
 
 
-class BagOfLocalFeatures(nn.Module):
+class BagOfLocalFeatures(TimmModel, nn.Module):
     """``(B, C, H, W) -> (B, num_classes)``: conv3x3-BN-GELU twice (stride 1), then
     ``[mean, max]`` over positions ``(B, 2 * width)``, then Linear-GELU-Linear. The CNN's
     interface (``stages``, ``forward_intermediates``), so the context measures apply, and timm's
@@ -59,11 +60,7 @@ class BagOfLocalFeatures(nn.Module):
 
     def __init__(self, config: BagOfFeaturesConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        if config is None:
-            config = BagOfFeaturesConfig(**overrides)
-        elif overrides:
-            config = BagOfFeaturesConfig(**{**config.to_dict(), **overrides})
-        self.config = c = config
+        self.config = c = resolve_config(BagOfFeaturesConfig, config, overrides)
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
         self.num_features, self.head_hidden_size = c.width, c.hidden
@@ -94,9 +91,6 @@ class BagOfLocalFeatures(nn.Module):
         hidden = self.head.act(self.head.pre(bag))
         return hidden if pre_logits else self.head.fc(hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
         """The map after each convolution ``(B, width, H, W)``; ``indices`` as in the ViT; timm's
@@ -105,10 +99,7 @@ class BagOfLocalFeatures(nn.Module):
         check_images(x, self.config.in_chans)
         return stage_intermediates(self.stages, x, take, intermediates_only, output_fmt, stop_early)
 
-    # -- timm's hooks ------------------------------------------------------------------------
-    def no_weight_decay(self) -> set[str]:
-        return set()
-
+    # -- timm's hooks beyond TimmModel's ----------------------------------------------------
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(stem=r"^stages\.0", blocks=r"^stages\.(\d+)")
 
@@ -116,19 +107,8 @@ class BagOfLocalFeatures(nn.Module):
         if enable:
             raise RuntimeError("the bag of local features has two layers: nothing to checkpoint")
 
-    def get_classifier(self) -> nn.Module:
-        return self.head.fc
+    def check_global_pool(self, global_pool: str, num_classes: int) -> None:
+        check_pool(global_pool, num_classes)
 
-    @property
-    def default_cfg(self) -> dict[str, Any]:
-        return self.pretrained_cfg
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier (timm's method); ``num_classes=0`` leaves the MLP's hidden
-        features, ``global_pool=''`` with it the unpooled map."""
-        check_int("num_classes", num_classes, low=0)
-        if global_pool is not None:
-            check_pool(global_pool, num_classes)
-            self.global_pool = global_pool
-        self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
+    def new_classifier(self, num_classes: int) -> None:  # num_classes=0 leaves the MLP's hidden features
         self.head.fc = self._classifier(num_classes)

@@ -31,6 +31,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .contract import TimmModel, resolve_config
 from .datasets import CIFAR10_MEAN, CIFAR10_STD
 from .helpers import check_bool, check_float, check_input_dtype, check_int, feature_take_indices
 from .init import whitening_basis
@@ -156,20 +157,16 @@ def stage_intermediates(stages: nn.ModuleList, x: torch.Tensor, take: list[int],
     return out if intermediates_only else (x, out)
 
 
-class SmallCNN(nn.Module):
-    """``(B, C, H, W) -> (B, num_classes)``; stage ``i`` has stride ``2**(i+1)``."""
+class SmallCNN(TimmModel, nn.Module):
+    """``(B, C, H, W) -> (B, num_classes)``; stage ``i`` has stride ``2**(i+1)``; timm's contract
+    from ``TimmModel``."""
 
     def __init__(self, config: CNNConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        if config is None:
-            config = CNNConfig(**overrides)
-        elif overrides:
-            config = CNNConfig(**{**config.to_dict(), **overrides})
-        self.config = c = config
+        self.config = c = resolve_config(CNNConfig, config, overrides)
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
         self.num_features = self.head_hidden_size = c.widths[-1]
-        self.grad_checkpointing = False
         side = 32 - (c.stem == "whiten")  # a 2x2 whitening conv without padding takes one pixel
         strides = [2 ** (i + 1) for i in range(len(c.widths))]
         self.pretrained_cfg = dict(input_size=(c.in_chans, 32, 32), mean=CIFAR10_MEAN, std=CIFAR10_STD,
@@ -214,22 +211,9 @@ class SmallCNN(nn.Module):
                 else stage(x)
         return x
 
-    # -- timm's hooks ------------------------------------------------------------------------
-    def no_weight_decay(self) -> set[str]:
-        return set()  # biases and BatchNorm are 1-D: timm's factory leaves them out already
-
+    # -- timm's hooks beyond TimmModel's (biases and BatchNorm are 1-D: no weight decay by timm's rule) --
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(stem=r"^stem", blocks=r"^stages\.(\d+)" if coarse else r"^stages\.(\d+)\.(\d+)")
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    @property
-    def default_cfg(self) -> dict[str, Any]:
-        return self.pretrained_cfg
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``(B, C, h, w) -> (B, num_classes)``: global max- or average-pool, dropout, linear;
@@ -239,9 +223,6 @@ class SmallCNN(nn.Module):
         x = self.head_drop(x.amax(dim=(2, 3)) if self.global_pool == "max" else x.mean(dim=(2, 3)))
         return x if pre_logits else self.head(x) * self.config.head_scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
         """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT; timm's
@@ -250,12 +231,8 @@ class SmallCNN(nn.Module):
         check_images(x, self.config.in_chans)
         return stage_intermediates(self.stages, self.stem(x), take, intermediates_only, output_fmt, stop_early)
 
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the head (timm's method); ``num_classes=0`` leaves pooled features,
-        ``global_pool=''`` with it the unpooled map."""
-        check_int("num_classes", num_classes, low=0)
-        if global_pool is not None:
-            check_pool(global_pool, num_classes)
-            self.global_pool = global_pool
-        self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
+    def check_global_pool(self, global_pool: str, num_classes: int) -> None:
+        check_pool(global_pool, num_classes)  # '' (the unpooled map) needs num_classes=0
+
+    def new_classifier(self, num_classes: int) -> None:
         self.head = nn.Linear(self.num_features, num_classes, bias=False) if num_classes > 0 else nn.Identity()

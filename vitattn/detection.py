@@ -17,8 +17,6 @@ detectors' default RoI poolers and anchor generators fit. Window attention (a bl
 ``vitattn.attention``) keeps the cost linear in the image area; ViTDet uses 14x14 windows with
 global attention in every third block, which propagates information across windows.
 
-:func:`coco_map` scores detections with pycocotools, the reference COCO evaluation.
-
 References: Li, Mao, Girshick, He 2022, "Exploring Plain Vision Transformer Backbones for Object
 Detection" (ViTDet), detectron2 ``modeling/backbone/vit.py`` (``SimpleFeaturePyramid``);
 torchvision ``models/detection``; COCO evaluation, pycocotools ``cocoeval.py``.
@@ -26,9 +24,7 @@ torchvision ``models/detection``; COCO evaluation, pycocotools ``cocoeval.py``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -38,37 +34,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .helpers import feature_take_indices, to_2tuple
-from .vit import ViT
+from .vit import ViT, vitdet_window_blocks  # noqa: F401 (ViTDet's layout, re-exported)
 
 DETECTORS = ("fasterrcnn", "maskrcnn", "retinanet", "fcos")
 SCALE_FACTORS = (4.0, 2.0, 1.0, 0.5)  # the branches ViTDet defines
-
-
-# -- window attention in an existing ViT ------------------------------------------------------
-def vitdet_window_blocks(depth: int, global_every: int = 3) -> tuple[int, ...]:
-    """ViTDet's layout: windows everywhere except every ``global_every``-th block, which stays
-    global (blocks 2, 5, 8, 11 of 12) so information crosses windows."""
-    return tuple(i for i in range(depth) if (i + 1) % global_every)
-
-
-def set_window_attention(vit: ViT, window_size: int | None, block_indexes: Sequence[int] | None = None) -> ViT:
-    """Switch window attention on in ``block_indexes`` (default: :func:`vitdet_window_blocks`)
-    and off in every other block, in place; ``window_size=None`` makes every block global.
-
-    The weights are unchanged (window attention has no parameters of its own), so a ViT trained
-    with global attention can run windowed. Returns ``vit``.
-    """
-    depth = len(vit.blocks)
-    if window_size is None:
-        block_indexes = ()
-    elif block_indexes is None:
-        block_indexes = vitdet_window_blocks(depth)
-    block_indexes = tuple(sorted(feature_take_indices(depth, list(block_indexes)))) if block_indexes else ()
-    for i, blk in enumerate(vit.blocks):
-        blk.attn.window_size = to_2tuple(window_size) if i in block_indexes else None
-    vit.config = dataclasses.replace(vit.config, window_size=window_size, window_block_indexes=block_indexes)
-    return vit
 
 
 # -- the simple feature pyramid ---------------------------------------------------------------
@@ -109,8 +78,9 @@ class ViTDetBackbone(nn.Module):
     ``(B, C, H, W) -> OrderedDict{name: (B, out_channels, H / stride, W / stride)}``.
 
     The ViT is taken over and adapted in place: it accepts any image size (learned positions are
-    resampled on the fly), its classifier head and ``fc_norm`` are removed, and window attention
-    is set as asked. Images whose sides are not multiples of the patch are padded at the
+    resampled on the fly), and its classifier head and ``fc_norm`` are removed. Window attention
+    is the ViT's own config (``window_size``, ``window_block_indexes``; ViTDet's layout by
+    default). Images whose sides are not multiples of the patch are padded at the
     bottom/right (torchvision's transform already pads batches to multiples of 32).
 
     Args:
@@ -119,9 +89,6 @@ class ViTDetBackbone(nn.Module):
         scale_factors: branches relative to the ViT's map, a subset of ``(4, 2, 1, 0.5)``,
             finest first; with patch 16 they give strides 4, 8, 16, 32.
         top_block: add a ``'pool'`` level, max-pooled (kernel 1, stride 2) from the coarsest.
-        window_size: window attention in ``window_block_indexes`` (ViTDet: 14); ``None`` keeps
-            the ViT's attention as it is.
-        window_block_indexes: blocks that use windows; default every block but each third.
         final_norm: apply the ViT's final LayerNorm to the last block's tokens (it was trained
             with them in classification weights).
 
@@ -135,8 +102,6 @@ class ViTDetBackbone(nn.Module):
         *,
         scale_factors: Sequence[float] = SCALE_FACTORS,
         top_block: bool = True,
-        window_size: int | None = None,
-        window_block_indexes: Sequence[int] | None = None,
         final_norm: bool = True,
     ) -> None:
         super().__init__()
@@ -156,8 +121,6 @@ class ViTDetBackbone(nn.Module):
         # LayerNorm after pooling of avg-pool models. Detectors bring their own heads.
         vit.reset_classifier(0)
         vit.fc_norm = nn.Identity()
-        if window_size is not None:
-            set_window_attention(vit, window_size, window_block_indexes)
         self.vit = vit
         self.final_norm = final_norm
         self.out_channels = out_channels
@@ -247,15 +210,13 @@ def build_detector(
     num_classes: int,
     *,
     out_channels: int | None = None,
-    window_size: int | None = None,
-    window_block_indexes: Sequence[int] | None = None,
     anchor_sizes: Sequence[Sequence[float]] | None = None,
     **detector_kwargs: Any,
 ) -> nn.Module:
     """A torchvision detector with a ViTDet backbone, ready to train.
 
     ``kind`` is one of ``DETECTORS``. ``vit`` is a ViT (wrapped in :class:`ViTDetBackbone` with
-    ``out_channels``, default 256, and the window settings) or a backbone already built: a
+    ``out_channels``, default 256) or a backbone already built: a
     ``ViTDetBackbone`` or any module returning an ``OrderedDict`` of maps with ``out_channels``
     and ``strides`` (``{name: stride}``, finest first, ``'pool'`` last as in torchvision's FPN).
 
@@ -272,12 +233,10 @@ def build_detector(
     if kind not in DETECTORS:
         raise ValueError(f"unknown detector {kind!r}; expected one of {DETECTORS}")
     if isinstance(vit, ViT):
-        backbone = ViTDetBackbone(vit, out_channels or 256, window_size=window_size,
-                                  window_block_indexes=window_block_indexes)
+        backbone = ViTDetBackbone(vit, out_channels or 256)
     else:
-        if out_channels is not None or window_size is not None or window_block_indexes is not None:
-            raise ValueError("out_channels and window settings belong to ViTDetBackbone(...); got them with a "
-                             "backbone already built")
+        if out_channels is not None:
+            raise ValueError("out_channels belongs to ViTDetBackbone(...); got it with a backbone already built")
         if not (hasattr(vit, "out_channels") and hasattr(vit, "strides")):
             raise ValueError(f"expected a vitattn ViT or a backbone with out_channels and strides, got "
                              f"{type(vit).__name__}")
@@ -305,8 +264,8 @@ def build_detector(
                     mask_roi_pool=mask_pool, **detector_kwargs)
 
 
-# -- evaluation -------------------------------------------------------------------------------
-AP_NAMES = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[0:6]
+# -- mixed precision --------------------------------------------------------------------------
+
 
 
 def autocast_backbone(detector: nn.Module, dtype: torch.dtype | None) -> nn.Module:
@@ -329,87 +288,3 @@ def autocast_backbone(detector: nn.Module, dtype: torch.dtype | None) -> nn.Modu
     return detector
 
 
-def coco_eval(gt: Any, detections: list[dict[str, Any]], image_ids: Sequence[int] | None = None,
-              max_dets: int = 100) -> dict[str, Any]:
-    """pycocotools' box evaluation of ``detections`` (COCO result dicts: ``image_id``,
-    ``category_id``, ``bbox`` as x, y, w, h, ``score``) against ``gt``, a ``pycocotools.coco.COCO``,
-    on ``image_ids`` (default: all of ``gt``'s images).
-
-    Returns ``AP_NAMES`` as COCO defines them (``map``: IoU 0.50:0.05:0.95; ``map_50``, ``map_75``;
-    ``map_small`` / ``map_medium`` / ``map_large``: objects under 32^2, up to 96^2 and above 96^2
-    pixels; -1 where no ground truth falls in the range) and ``per_class``: each category's AP
-    over the IoU thresholds, for categories with ground truth. Crowd boxes and areas are read as
-    ``gt`` gives them. No detections at all is AP 0 (pycocotools cannot load an empty list).
-    """
-    from pycocotools.cocoeval import COCOeval
-
-    ids = sorted(gt.getImgIds() if image_ids is None else image_ids)
-    has_gt = sorted({a["category_id"] for a in gt.loadAnns(gt.getAnnIds(imgIds=ids, iscrowd=False))})
-    if not detections:
-        return {**dict.fromkeys(AP_NAMES, 0.0), "per_class": dict.fromkeys(has_gt, 0.0)}
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
-        ev = COCOeval(gt, gt.loadRes(list(detections)), iouType="bbox")
-        ev.params.imgIds = ids
-        ev.params.maxDets = [1, 10, max_dets]
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    prec = torch.as_tensor(ev.eval["precision"][:, :, :, 0, -1])  # (IoU thresholds, recall points, classes), all areas
-    cats = list(ev.params.catIds)
-
-    def mean(p: torch.Tensor) -> float:
-        return float(p[p > -1].mean()) if (p > -1).any() else -1.0
-
-    return {**{name: float(v) for name, v in zip(AP_NAMES, ev.stats[:6])},
-            "per_class": {c: mean(prec[:, :, cats.index(c)]) for c in has_gt}}
-
-
-def coco_map(
-    predictions: Sequence[dict[str, torch.Tensor]],
-    targets: Sequence[dict[str, torch.Tensor]],
-    max_dets: int = 100,
-) -> dict[str, Any]:
-    """COCO box mAP of torchvision-format detections by :func:`coco_eval`.
-
-    ``predictions[i]`` has ``boxes`` ``(n, 4)`` in ``x1 y1 x2 y2``, ``scores``, ``labels``;
-    ``targets[i]`` has ``boxes`` and ``labels`` (torchvision's detector format); an object's area
-    is its box's. Returns ``AP_NAMES`` and ``per_class``, averaged over the classes that have
-    ground truth. Needs pycocotools (``pip install 'vitattn[detection]'``).
-    """
-    try:
-        from pycocotools.coco import COCO
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("coco_map needs pycocotools: pip install 'vitattn[detection]'") from e
-
-    if len(predictions) != len(targets):
-        raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
-    if not any(len(t["labels"]) for t in targets):
-        raise ValueError("the targets hold no ground-truth boxes")
-    images, gts, dets = [], [], []
-    for i, (pred, tgt) in enumerate(zip(predictions, targets)):
-        images.append({"id": i})
-        for box, label in zip(xywh(tgt["boxes"]), tgt["labels"].tolist()):
-            gts.append({"id": len(gts) + 1, "image_id": i, "category_id": int(label), "bbox": box,
-                        "area": box[2] * box[3], "iscrowd": 0})
-        dets += coco_results(i, pred)
-    cats = sorted({a["category_id"] for a in gts} | {d["category_id"] for d in dets})
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO()
-        gt.dataset = {"images": images, "annotations": gts, "categories": [{"id": c} for c in cats]}
-        gt.createIndex()
-    return coco_eval(gt, dets, max_dets=max_dets)
-
-
-def xywh(boxes: torch.Tensor) -> list[list[float]]:
-    """``(n, 4)`` boxes ``x1 y1 x2 y2`` as COCO's ``[x, y, w, h]`` lists."""
-    b = boxes.detach().double().cpu().reshape(-1, 4)
-    return torch.cat([b[:, :2], b[:, 2:] - b[:, :2]], 1).tolist()
-
-
-def coco_results(image_id: int, pred: dict[str, torch.Tensor], category_ids: Sequence[int] | None = None) -> list[dict]:
-    """One image's torchvision detections as COCO result dicts; ``category_ids[label]`` maps the
-    detector's labels back to the annotation file's ids (default: the labels are the ids)."""
-    labels = pred["labels"].long().tolist()
-    return [{"image_id": int(image_id), "category_id": int(category_ids[c] if category_ids is not None else c),
-             "bbox": box, "score": float(s)}
-            for box, s, c in zip(xywh(pred["boxes"]), pred["scores"].float().tolist(), labels)]

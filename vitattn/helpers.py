@@ -104,6 +104,18 @@ def building_graph() -> bool:
     return is_tracing() or torch.compiler.is_compiling()
 
 
+class BuildCache(dict):
+    """Values built once per key (a position table per grid, device and dtype); while a graph is
+    being built (``building_graph``) they are built afresh and not stored."""
+
+    def get_or_build(self, key: tuple, build):
+        if building_graph():
+            return build()
+        if key not in self:
+            self[key] = build()
+        return self[key]
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -2,6 +2,7 @@
 
 - ``lecun_normal_``: JAX's LeCun-normal draw, the patch projection of ``weight_init='jax'``
   (timm's ``init_weights_vit_jax``).
+- ``init_vit_``: timm's two ViT schemes, ``''`` and ``'jax'``.
 - ``whitening_basis``: the rows that whiten flattened patches, behind the CNN's whitening stem
   (airbench's; :func:`vitattn.cnn.whitening_filters`).
 
@@ -21,6 +22,37 @@ def lecun_normal_(weight: torch.Tensor) -> torch.Tensor:
     fan_in = weight[0].numel()
     std = (1.0 / fan_in) ** 0.5 / 0.87962566103423978  # the std of a standard normal cut at +-2
     return nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std)
+
+
+def init_vit_(vit: nn.Module, scheme: str = "") -> None:
+    """timm's ViT schemes, in place. Both: a truncated normal (std .02) position table, a near-zero
+    class token. Default (``''``): truncated normal (std .02) for linear layers, zero biases, the
+    patch projection keeps PyTorch's init. ``'jax'`` (timm's ``init_weights_vit_jax``):
+    Xavier-uniform linear layers (MLP biases ~N(0, 1e-6), others 0), a zero head, a LeCun-normal
+    patch projection; its block weights start about 3x larger than the default's."""
+    if getattr(vit, "pos_embed", None) is not None:
+        nn.init.trunc_normal_(vit.pos_embed, std=0.02)
+    if getattr(vit, "cls_token", None) is not None:
+        nn.init.normal_(vit.cls_token, std=1e-6)
+    if getattr(vit, "dist_token", None) is not None:
+        nn.init.trunc_normal_(vit.dist_token, std=0.02)  # timm's VisionTransformerDistilled
+    jax = scheme == "jax"
+    for name, m in vit.named_modules():
+        if isinstance(m, nn.Linear):
+            if jax and name in ("head", "head_dist"):
+                nn.init.zeros_(m.weight)
+            elif jax:
+                nn.init.xavier_uniform_(m.weight)
+            else:
+                nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None and jax and ".mlp." in name:
+                nn.init.normal_(m.bias, std=1e-6)
+            elif m.bias is not None:
+                nn.init.zeros_(m.bias)
+    if jax:
+        lecun_normal_(vit.patch_embed.proj.weight)
+        if vit.patch_embed.proj.bias is not None:
+            nn.init.zeros_(vit.patch_embed.proj.bias)
 
 
 def whitening_basis(patches: torch.Tensor, eps: float) -> torch.Tensor:

@@ -49,6 +49,14 @@ def sincos_2d(gh: int, gw: int, dim: int, temperature: float = 10000.0) -> torch
     return rearrange(torch.cat([rows, cols], dim=-1), "gh gw d -> (gh gw) d")
 
 
+def fixed_pos_table(kind: str, grid: Size2, dim: int, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """A ViT's fixed table ``(1, P + gh*gw, dim)``: ``'sincos2d'`` (by row and column) or
+    ``'sincos1d'`` (in reading order) for the patches, zeros for the ``P`` prefix tokens."""
+    gh, gw = grid
+    table = sincos_2d(gh, gw, dim) if kind == "sincos2d" else sincos_1d(gh * gw, dim)
+    return torch.cat([torch.zeros(num_prefix_tokens, dim), table])[None]
+
+
 def resample_abs_pos_embed(
     pos: torch.Tensor,
     new_grid: Size2,

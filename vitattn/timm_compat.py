@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .pos_embed import fixed_pos_table
 from .vit import ViT, ViTConfig
 
 
@@ -142,7 +143,7 @@ def to_timm(vit: ViT) -> nn.Module:
     sd = to_timm_state_dict(vit)
     fixed = vit.config.pos_embed in ("sincos1d", "sincos2d")
     if fixed:  # a sin-cos table rides in timm's position table, frozen: the same numbers, never trained
-        sd["pos_embed"] = vit.fixed_pos_embed(vit.grid_size, torch.device("cpu"), torch.float32).clone()
+        sd["pos_embed"] = fixed_pos_table(vit.config.pos_embed, vit.grid_size, vit.embed_dim, vit.num_prefix_tokens)
     model.load_state_dict(sd, strict=True)
     if fixed:
         model.pos_embed.requires_grad_(False)

@@ -19,7 +19,7 @@ References: Dosovitskiy et al. 2021; timm ``models/vision_transformer.py``; big_
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,12 +27,13 @@ from einops import rearrange, repeat
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import SCORES
+from .attention import SCORES, AttentionConfig
 from .block import Block
-from .helpers import building_graph, check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
-from .init import lecun_normal_
+from .contract import TimmModel, resolve_config
+from .helpers import BuildCache, check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
+from .init import init_vit_
 from .patch_embed import PatchEmbed, ShiftedPatchEmbed
-from .pos_embed import resample_abs_pos_embed, rope_2d, sincos_1d, sincos_2d
+from .pos_embed import fixed_pos_table, resample_abs_pos_embed, rope_2d
 
 for _leaf in ("rearrange", "repeat"):  # calls in a torch.fx trace: einops reads shapes (proxies there)
     torch.fx.wrap(_leaf)
@@ -40,6 +41,12 @@ for _leaf in ("rearrange", "repeat"):  # calls in a torch.fx trace: einops reads
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "")
 WEIGHT_INITS = ("", "jax")
+
+
+def vitdet_window_blocks(depth: int, global_every: int = 3) -> tuple[int, ...]:
+    """ViTDet's layout: windows everywhere except every ``global_every``-th block, which stays
+    global (blocks 2, 5, 8, 11 of 12) so information crosses windows."""
+    return tuple(i for i in range(depth) if (i + 1) % global_every)
 
 
 @dataclass
@@ -72,7 +79,7 @@ class ViTConfig:
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly to this in the last block
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
-    window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows
+    window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows; default ViTDet's
     weight_init: str = ""  # '' (timm's default) or 'jax' (timm's, as the JAX ViT)
     shifted_patches: bool = False  # shifted patch tokenisation (SPT, Lee et al. 2021) instead of one conv
     distilled: bool = False  # DeiT's distillation token and second head (timm's deit_*_distilled)
@@ -113,6 +120,8 @@ class ViTConfig:
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         self.window_block_indexes = tuple(self.window_block_indexes)
+        if self.window_size is not None and not self.window_block_indexes:
+            self.window_block_indexes = vitdet_window_blocks(self.depth)
         if self.weight_init not in WEIGHT_INITS:
             raise ValueError(f"unknown weight_init {self.weight_init!r}; expected one of {WEIGHT_INITS}")
         if self.use_rot_pos_emb and (self.embed_dim // self.num_heads) % 4:
@@ -123,29 +132,63 @@ class ViTConfig:
         return asdict(self)
 
 
-class ViT(nn.Module):
-    """Vision Transformer, ``(B, C, H, W) -> (B, num_classes)``."""
+def data_cfg(c: ViTConfig) -> dict[str, Any]:
+    """What timm's data tools read (``resolve_data_config``); the registry sets a preset's own data.
+    A learned table fits one grid, so the input size is fixed unless resampled on the fly."""
+    return dict(input_size=(c.in_chans, *to_2tuple(c.img_size)), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+                num_classes=c.num_classes, interpolation="bicubic", crop_pct=0.9, pool_size=None,
+                first_conv="patch_embed.proj", classifier="head",
+                fixed_input_size=c.pos_embed == "learn" and not c.dynamic_img_size)
+
+
+def pool_tokens(x: torch.Tensor, global_pool: str, num_prefix_tokens: int) -> torch.Tensor:
+    """``(B, P + N, D) -> (B, D)``: the class token, or the mean / max / (mean + max) / 2 of the
+    patch tokens (timm's 'avg', 'max', 'avgmax', as its ``global_pool_nlc``); ``''`` keeps every token."""
+    if global_pool == "token":
+        return x[:, 0]
+    patches = x[:, num_prefix_tokens:]
+    if global_pool == "avg":
+        return patches.mean(dim=1)
+    if global_pool == "max":
+        return patches.amax(dim=1)
+    if global_pool == "avgmax":
+        return 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))
+    return x
+
+
+def linear_head(dim: int, num_classes: int, init: bool = False) -> nn.Module:
+    """A classifier (``nn.Identity`` for ``num_classes=0``); ``init``: timm's draw for a new head."""
+    if num_classes == 0:
+        return nn.Identity()
+    head = nn.Linear(dim, num_classes)
+    if init:
+        nn.init.trunc_normal_(head.weight, std=0.02)
+        nn.init.zeros_(head.bias)
+    return head
+
+
+def as_output(y: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int], output_fmt: str,
+              return_prefix_tokens: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A block's tokens ``(B, P + N, D)`` as ``forward_intermediates`` gives them: the patch tokens
+    as a map ``(B, D, gh, gw)`` (``'NCHW'``) or ``(B, N, D)`` (``'NLC'``), with the prefix if asked."""
+    prefix, y = y[:, :num_prefix_tokens], y[:, num_prefix_tokens:]
+    if output_fmt == "NCHW":
+        y = rearrange(y, "b (gh gw) d -> b d gh gw", gh=grid[0], gw=grid[1])
+    return (y, prefix) if return_prefix_tokens else y
+
+
+class ViT(TimmModel, nn.Module):
+    """Vision Transformer, ``(B, C, H, W) -> (B, num_classes)``; timm's contract from ``TimmModel``."""
+
+    no_decay_names = ("pos_embed", "cls_token", "dist_token")
 
     def __init__(self, config: ViTConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        if config is None:
-            config = ViTConfig(**overrides)
-        elif overrides:
-            config = ViTConfig(**{**config.to_dict(), **overrides})
-        self.config = c = config
-        self.num_classes = c.num_classes
-        self.global_pool = c.global_pool
+        self.config = c = resolve_config(ViTConfig, config, overrides)
+        self.num_classes, self.global_pool, self.pretrained_cfg = c.num_classes, c.global_pool, data_cfg(c)
         self.embed_dim = self.num_features = self.head_hidden_size = c.embed_dim  # timm's three names
-        self.grad_checkpointing = False
-        # what timm's data tools read (resolve_data_config); the registry sets a preset's own data.
-        # A learned table fits one grid, so the input size is fixed unless resampled on the fly.
-        self.pretrained_cfg = dict(input_size=(c.in_chans, *to_2tuple(c.img_size)), mean=(0.5, 0.5, 0.5),
-                                   std=(0.5, 0.5, 0.5), num_classes=c.num_classes, interpolation="bicubic",
-                                   crop_pct=0.9, pool_size=None, first_conv="patch_embed.proj", classifier="head",
-                                   fixed_input_size=c.pos_embed == "learn" and not c.dynamic_img_size)
         self.num_prefix_tokens = int(c.class_token) + int(c.distilled)
-        self.distilled_training = False  # timm's flag: in training, return both heads' logits
-        self.dynamic_img_size = c.dynamic_img_size
+        self.distilled_training, self.dynamic_img_size = False, c.dynamic_img_size  # timm's flags
         use_fc_norm = c.global_pool in ("avg", "avgmax", "max") if c.fc_norm is None else c.fc_norm
 
         embed_layer = ShiftedPatchEmbed if c.shifted_patches else PatchEmbed
@@ -154,19 +197,16 @@ class ViT(nn.Module):
         self.grid_size = self.patch_embed.grid_size
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None
-        if c.pos_embed == "learn":
-            n = self.num_prefix_tokens + self.patch_embed.num_patches
-            self.pos_embed = nn.Parameter(torch.zeros(1, n, c.embed_dim))
-        else:
-            self.pos_embed = None
-        self._fixed_pos: dict[tuple, Any] = {}  # sincos tables and rotary angles per (grid, device, dtype)
+        n = self.num_prefix_tokens + self.patch_embed.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, n, c.embed_dim)) if c.pos_embed == "learn" else None
+        self._fixed_pos = BuildCache()  # sincos tables and rotary angles per (grid, device, dtype)
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth, linear rule
+        attn = AttentionConfig(num_heads=c.num_heads, score=c.score, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm,
+                               attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate)
         self.blocks = nn.ModuleList(
-            Block(c.embed_dim, c.num_heads, mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm,
-                  score=c.score, proj_drop=c.proj_drop_rate, attn_drop=c.attn_drop_rate,
-                  init_values=c.init_values, drop_path=dpr[i],
-                  window_size=c.window_size if i in c.window_block_indexes else None)
+            Block(c.embed_dim, replace(attn, window_size=c.window_size if i in c.window_block_indexes else None),
+                  mlp_ratio=c.mlp_ratio, init_values=c.init_values, drop_path=dpr[i])
             for i in range(c.depth)
         )
         # timm's per-level description: every block's tokens as a map at the patch's stride
@@ -175,86 +215,31 @@ class ViT(nn.Module):
         self.norm = nn.Identity() if use_fc_norm else nn.LayerNorm(c.embed_dim, eps=1e-6)
         self.fc_norm = nn.LayerNorm(c.embed_dim, eps=1e-6) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
-        self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
+        self.head = linear_head(c.embed_dim, c.num_classes)
         if c.distilled:
-            self.head_dist = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
-        self.init_weights()
-
-    # -- init -------------------------------------------------------------------------------
-    def init_weights(self) -> None:
-        """timm's schemes. Both: a truncated normal (std .02) position table, a near-zero class
-        token. Default (``''``): truncated normal (std .02) for linear layers, zero biases, the
-        patch projection keeps PyTorch's init. ``'jax'`` (timm's ``init_weights_vit_jax``):
-        Xavier-uniform linear layers (MLP biases ~N(0, 1e-6), others 0), a zero head, a
-        LeCun-normal patch projection (:func:`vitattn.init.lecun_normal_`); its block weights
-        start about 3x larger than the default's."""
-        if self.pos_embed is not None:
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
-        if self.dist_token is not None:
-            nn.init.trunc_normal_(self.dist_token, std=0.02)  # timm's VisionTransformerDistilled
-        jax = self.config.weight_init == "jax"
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                if jax and name in ("head", "head_dist"):
-                    nn.init.zeros_(m.weight)
-                elif jax:
-                    nn.init.xavier_uniform_(m.weight)
-                else:
-                    nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None and jax and ".mlp." in name:
-                    nn.init.normal_(m.bias, std=1e-6)
-                elif m.bias is not None:
-                    nn.init.zeros_(m.bias)
-        if jax:
-            lecun_normal_(self.patch_embed.proj.weight)
-            if self.patch_embed.proj.bias is not None:
-                nn.init.zeros_(self.patch_embed.proj.bias)
-
-    # -- tokens -----------------------------------------------------------------------------
-    def fixed_pos_embed(self, grid: tuple[int, int], device, dtype) -> torch.Tensor:
-        """The sincos table ``(1, P + gh*gw, D)`` for this grid; prefix positions are zero."""
-        key = (grid, device, dtype, self.config.pos_embed)
-        if building_graph() or key not in self._fixed_pos:
-            gh, gw, d = grid[0], grid[1], self.embed_dim
-            table = sincos_2d(gh, gw, d) if self.config.pos_embed == "sincos2d" else sincos_1d(gh * gw, d)
-            table = torch.cat([torch.zeros(self.num_prefix_tokens, d), table])
-            table = table[None].to(device=device, dtype=dtype)
-            if building_graph():
-                return table
-            self._fixed_pos[key] = table
-        return self._fixed_pos[key]
+            self.head_dist = linear_head(c.embed_dim, c.num_classes)
+        init_vit_(self, c.weight_init)
 
     def rope_for(self, grid: tuple[int, int], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rotary angles ``(sin, cos)``, each ``(gh*gw, head_dim)``, for a patch grid; ``None``
-        without rotary codes. Built for any grid, so they follow the image size."""
+        """Rotary angles ``(sin, cos)``, each ``(gh*gw, head_dim)``, for any grid; ``None`` without them."""
         if not self.config.use_rot_pos_emb:
             return None
-        key = ("rope", tuple(grid), x.device, x.dtype)
-        if building_graph() or key not in self._fixed_pos:
-            sin, cos = rope_2d(grid[0], grid[1], self.embed_dim // self.config.num_heads, self.config.rope_temperature)
-            angles = (sin.to(x.device, x.dtype), cos.to(x.device, x.dtype))
-            if building_graph():
-                return angles
-            self._fixed_pos[key] = angles
-        return self._fixed_pos[key]
+        build = lambda: tuple(t.to(x.device, x.dtype) for t in rope_2d(  # noqa: E731
+            *grid, self.embed_dim // self.config.num_heads, self.config.rope_temperature))
+        return self._fixed_pos.get_or_build(("rope", tuple(grid), x.device, x.dtype), build)
 
     def pos_embed_for(self, grid: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
         """Position codes ``(1, P + N, D)`` for a patch grid, resampled / built as needed."""
         kind = self.config.pos_embed
-        if kind == "none":
-            return None
-        if kind != "learn":
-            return self.fixed_pos_embed(grid, x.device, x.dtype)
-        if tuple(grid) == tuple(self.grid_size):
+        if kind in ("sincos1d", "sincos2d"):
+            build = lambda: fixed_pos_table(kind, grid, self.embed_dim, self.num_prefix_tokens).to(x)  # noqa: E731
+            return self._fixed_pos.get_or_build((tuple(grid), x.device, x.dtype, kind), build)
+        if kind == "none" or tuple(grid) == tuple(self.grid_size):
             return self.pos_embed
         if not self.dynamic_img_size:
-            raise ValueError(
-                f"image gives a {grid[0]}x{grid[1]} patch grid but the position table is for "
-                f"{self.grid_size[0]}x{self.grid_size[1]} (img_size {to_2tuple(self.config.img_size)}); "
-                "build the model with dynamic_img_size=True to resample on the fly"
-            )
+            raise ValueError(f"image gives a {grid[0]}x{grid[1]} patch grid but the position table is for "
+                             f"{self.grid_size[0]}x{self.grid_size[1]} (img_size {to_2tuple(self.config.img_size)}); "
+                             "build the model with dynamic_img_size=True to resample on the fly")
         return resample_abs_pos_embed(self.pos_embed, grid, self.grid_size, self.num_prefix_tokens)
 
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -264,84 +249,62 @@ class ViT(nn.Module):
         if prefix:
             x = torch.cat([repeat(t, "1 1 d -> b 1 d", b=x.shape[0]) for t in prefix] + [x], dim=1)
         pos = self.pos_embed_for(grid, x)
-        if pos is not None:
-            x = x + pos
-        return self.pos_drop(x), grid
-
-    # -- timm's hooks: its optimizer factory, layer-wise lr decay, data config, checkpointing ---
-    def no_weight_decay(self) -> set[str]:
-        """Parameters timm's ``create_optimizer_v2`` keeps out of weight decay (besides 1-D ones)."""
-        return {n for n in ("pos_embed", "cls_token", "dist_token") if getattr(self, n, None) is not None}
+        return self.pos_drop(x if pos is None else x + pos), grid
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups by depth for layer-wise lr decay: the embedding first, then each block."""
         return dict(stem=r"^cls_token|^dist_token|^pos_embed|^patch_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
     def get_classifier(self) -> nn.Module | tuple[nn.Module, nn.Module]:
         return (self.head, self.head_dist) if self.dist_token is not None else self.head
 
     def set_distilled_training(self, enable: bool = True) -> None:
-        """timm's switch: while training, a distilled model returns ``(logits, dist_logits)`` (one
-        loss each, DeiT); otherwise, and always in eval mode, their mean."""
+        """timm's switch: in training, return ``(logits, dist_logits)`` (a loss each, DeiT), else their mean."""
         if enable and self.dist_token is None:
             raise ValueError("set_distilled_training needs a model built with distilled=True")
         self.distilled_training = enable
 
-    @property
-    def default_cfg(self) -> dict[str, Any]:  # timm's older name
-        return self.pretrained_cfg
+    def check_global_pool(self, global_pool: str, num_classes: int) -> None:
+        if (global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None)
+                or (global_pool == "" and self.dist_token is not None)):
+            raise ValueError(f"global_pool {global_pool!r} is not available for this model")
 
-    # -- timm's interface -------------------------------------------------------------------
+    def new_classifier(self, num_classes: int) -> None:
+        for name in ("head", "head_dist") if self.dist_token is not None else ("head",):
+            setattr(self, name, linear_head(self.embed_dim, num_classes, init=True))
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, P + N, D)``, after the final norm."""
         x, grid = self.embed(x)
-        x, _, _ = self.run_blocks(x, grid, self.rope_for(grid, x))
-        return self.norm(x)
+        return self.norm(self.run_blocks(x, grid, self.rope_for(grid, x))[0])
 
     def run_blocks(self, x: torch.Tensor, grid: tuple[int, int], rope, *, stop: int | None = None,
                    take: Collection[int] = (), attention: bool = False
                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """The one loop over the blocks, which every forward method uses: tokens through
-        ``blocks[:stop]`` (all by default), the outputs of the blocks in ``take`` kept, and with
-        ``attention`` each block's weights. With gradient checkpointing each block's activations
-        are recomputed in the backward pass instead of kept (less memory, one more forward).
-        Returns ``(tokens, kept outputs, weights)``."""
+        """The one loop over the blocks every forward method uses: tokens through ``blocks[:stop]``;
+        returns ``(tokens, outputs of the blocks in take, each block's weights if attention)``."""
         kept, maps = [], []
         for i, blk in enumerate(self.blocks[:stop]):
             if attention:
                 x, weights = blk(x, grid, self.num_prefix_tokens, rope=rope, return_attention=True)
                 maps.append(weights)
-            elif self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, grid, self.num_prefix_tokens, rope=rope, use_reentrant=False)
             else:
-                x = blk(x, grid, self.num_prefix_tokens, rope=rope)
+                x = self.checkpointed(blk, x, grid, self.num_prefix_tokens, rope=rope)
             if i in take:
                 kept.append(x)
         return x, kept, maps
 
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, P + N, D) -> (B, D)``: the class token, or the mean / max / (mean + max) / 2 of
-        the patch tokens (timm's 'avg', 'max', 'avgmax'); ``''`` returns every token."""
-        if self.global_pool == "token":
-            return x[:, 0]
-        patches = x[:, self.num_prefix_tokens:]
-        if self.global_pool == "avg":
-            return patches.mean(dim=1)
-        if self.global_pool == "max":
-            return patches.amax(dim=1)
-        if self.global_pool == "avgmax":
-            return 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))
-        return x
+    def checkpointed(self, fn, *args, **kwargs) -> torch.Tensor:  # activations recomputed in the backward
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``(B, P + N, D) -> (B, num_classes)`` (or ``(B, D)`` with ``pre_logits=True``). A
-        distilled model also reads its distillation token (the last prefix token) with
-        ``head_dist`` and averages the two heads (:meth:`set_distilled_training` keeps them apart)."""
-        pooled = self.head_drop(self.fc_norm(self.pool(x)))
+        """``(B, P + N, D) -> (B, num_classes)`` (``(B, D)`` with ``pre_logits``). A distilled
+        model also reads its distillation token (the last prefix token) with ``head_dist`` and
+        averages the two heads (:meth:`set_distilled_training` keeps them apart)."""
+        pooled = self.head_drop(self.fc_norm(pool_tokens(x, self.global_pool, self.num_prefix_tokens)))
         if self.dist_token is None:
             return pooled if pre_logits else self.head(pooled)
         x_dist = self.head_drop(x[:, self.num_prefix_tokens - 1])
@@ -351,116 +314,35 @@ class ViT(nn.Module):
         return (x, x_dist) if self.distilled_training and self.training else (x + x_dist) / 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, num_classes)``, equal to ``forward_head(forward_features(x))``.
-
-        With a class-token head the last block's outputs for the patch tokens are never read,
-        so the last block runs for the class token alone (``Block.forward_first``): the same
-        numbers (held equal by a test, gradients included) for most of that block's work less
-        (counted in docs/performance.md). Other heads take the readable path.
-        """
+        """``forward_head(forward_features(x))``. A class-token head never reads the last block's
+        patch tokens, so that block runs for the class token alone (``Block.forward_first``): the
+        same numbers (tested, gradients included) for most of its work less (docs/performance.md)."""
         if self.global_pool != "token" or self.blocks[-1].attn.window_size is not None:
             return self.forward_head(self.forward_features(x))
         x, grid = self.embed(x)
         rope = self.rope_for(grid, x)
-        x, _, _ = self.run_blocks(x, grid, rope, stop=-1)
-        last = self.blocks[-1].forward_first
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            x = checkpoint(last, x, self.num_prefix_tokens, rope, use_reentrant=False)
-        else:
-            x = last(x, self.num_prefix_tokens, rope)
-        return self.forward_head(self.norm(x))
+        x = self.run_blocks(x, grid, rope, stop=-1)[0]
+        return self.forward_head(self.norm(self.checkpointed(self.blocks[-1].forward_first, x,
+                                                             self.num_prefix_tokens, rope)))
 
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: int | list[int] | tuple[int, ...] | None = None,
-        norm: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        return_prefix_tokens: bool = False,
-        stop_early: bool = False,
-    ):
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | tuple[int, ...] | None = None,
+                              norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+                              return_prefix_tokens: bool = False, stop_early: bool = False):
         """Per-block outputs as maps ``(B, D, gh, gw)`` (``'NCHW'``) or tokens ``(B, N, D)``
-        (``'NLC'``), timm's signature.
-
-        ``indices``: ``None`` for every block, an int ``n`` for the last ``n``, or a list of block
-        indices (negative counts from the end). Returns ``(final_features, intermediates)``, or
-        only the list with ``intermediates_only=True``; ``stop_early`` skips the blocks after the
-        last one asked for (the final features are then that block's, normed).
-        """
+        (``'NLC'``), timm's signature and ``indices`` (``None``: all; ``n``: the last ``n``; a list,
+        negative from the end). Returns ``(final_features, intermediates)`` or, with
+        ``intermediates_only``, the list; ``stop_early`` skips the blocks after the last asked for."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take = feature_take_indices(len(self.blocks), indices)
-        p = self.num_prefix_tokens
+        take, p = feature_take_indices(len(self.blocks), indices), self.num_prefix_tokens
         x, grid = self.embed(x)
         x, kept, _ = self.run_blocks(x, grid, self.rope_for(grid, x), take=take,
                                      stop=max(take) + 1 if intermediates_only or stop_early else None)
-        out = []
-        for y in kept:
-            y = self.norm(y) if norm else y
-            prefix, y = y[:, :p], y[:, p:]
-            if output_fmt == "NCHW":
-                y = rearrange(y, "b (gh gw) d -> b d gh gw", gh=grid[0], gw=grid[1])
-            out.append((y, prefix) if return_prefix_tokens else y)
-        if intermediates_only:
-            return out
-        return self.norm(x), out
+        out = [as_output(self.norm(y) if norm else y, p, grid, output_fmt, return_prefix_tokens) for y in kept]
+        return out if intermediates_only else (self.norm(x), out)
 
     @torch.no_grad()
     def get_attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Attention weights of every block, each ``(B, heads, P + N, P + N)``.
-
-        Uses the explicit path in each block (no global switch); the model's outputs are the same
-        as ``forward``'s.
-        """
+        """Attention weights of every block, each ``(B, heads, P + N, P + N)`` (the explicit path)."""
         x, grid = self.embed(x)
-        _, _, maps = self.run_blocks(x, grid, self.rope_for(grid, x), attention=True)
-        return maps
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the head (timm's method); ``num_classes=0`` leaves features only."""
-        check_int("num_classes", num_classes, low=0)
-        if global_pool is not None:
-            if (global_pool not in GLOBAL_POOLS or (global_pool == "token" and self.cls_token is None)
-                    or (global_pool == "" and self.dist_token is not None)):
-                raise ValueError(f"global_pool {global_pool!r} is not available for this model")
-            self.global_pool = global_pool
-        self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
-        for name in ("head", "head_dist") if self.dist_token is not None else ("head",):
-            head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-            if num_classes > 0:
-                nn.init.trunc_normal_(head.weight, std=0.02)
-                nn.init.zeros_(head.bias)
-            setattr(self, name, head)
-
-    # -- weights ----------------------------------------------------------------------------
-    def load_weights(self, state_dict: dict[str, torch.Tensor], *, old_grid: tuple[int, int] | None = None,
-                     strict: bool = True) -> dict[str, list[str]]:
-        """Load a vitattn (or converted timm) state dict, adapting it to this model.
-
-        A position table for another grid is resampled (bicubic); a classifier head of another
-        size is skipped (this model keeps its own). Any other shape mismatch raises a
-        ``ValueError`` naming every key. Returns ``{'missing', 'unexpected', 'skipped'}`` key lists.
-        The input dict is not modified.
-        """
-        own = self.state_dict()
-        sd = dict(state_dict)
-        skipped: list[str] = []
-        if "pos_embed" in sd and self.pos_embed is not None and sd["pos_embed"].shape != own["pos_embed"].shape:
-            src = sd["pos_embed"]
-            if src.shape[-1] != own["pos_embed"].shape[-1]:
-                raise ValueError(f"pos_embed width {src.shape[-1]} != model width {own['pos_embed'].shape[-1]}")
-            sd["pos_embed"] = resample_abs_pos_embed(src, self.grid_size, old_grid, self.num_prefix_tokens)
-        for k in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias"):
-            if k in sd and (k not in own or sd[k].shape != own[k].shape):
-                skipped.append(k)
-                del sd[k]
-        bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-               for k, v in sd.items() if k in own and v.shape != own[k].shape]
-        if bad:
-            raise ValueError("state dict shapes do not match the model:\n  " + "\n  ".join(bad))
-        missing, unexpected = self.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not (k.startswith(("head.", "head_dist.")) and skipped)]
-        if strict and (missing or unexpected):
-            raise ValueError(f"state dict keys do not match: missing {missing}, unexpected {unexpected}")
-        return {"missing": list(missing), "unexpected": list(unexpected), "skipped": skipped}
+        return self.run_blocks(x, grid, self.rope_for(grid, x), attention=True)[2]

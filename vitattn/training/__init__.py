@@ -8,6 +8,7 @@ built from, one concept per module, each importing only those listed before it.
     optim        optimisers by name (AdamW, SGD, Muon), parameter groups, the lr schedule, the EMA
     data         CIFAR-style images as uint8 tensors, batches augmented on the device
     longrange    the generated long-range task
+    coco         a COCO-format folder read and checked once; COCO box AP (pycocotools)
     recipes      how each model family trains by default
     loop         one training loop; a task plugs in what a batch, its loss and an evaluation are
     session      a script's run start to end: options, folder, checkpoints, Ctrl-C, torchrun

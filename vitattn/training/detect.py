@@ -1,7 +1,7 @@
 """Object detection on a COCO-format folder as a task of the training loop: the options of
-``examples/train_detection.py``, the folder read and checked whole before the first step, the
-detector (a ViTDet pyramid on a vitattn ViT, or torchvision's ResNet with an FPN), and the task
-itself (the sum of the detector's losses; COCO box AP from pycocotools after each epoch).
+``examples/train_detection.py``, the detector (a ViTDet pyramid on a vitattn ViT, or
+torchvision's ResNet with an FPN), and the task itself (the sum of the detector's losses; COCO box
+AP after each epoch). The folder is read, checked and scored by :mod:`vitattn.training.coco`.
 
 References: torchvision's ``references/detection`` (COCO loading, augmentation policies,
 evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight decay 0.1.
@@ -9,13 +9,10 @@ evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight deca
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,14 +26,12 @@ from ..detection import (
     ViTDetBackbone,
     autocast_backbone,
     build_detector,
-    coco_eval,
-    coco_results,
 )
 from ..helpers import count_params
 from . import loop, runtime
 from .cli import check_fields, option, preset_kwargs
-from .data import read_image
-from .errors import UsageError, preview
+from .coco import Split, coco_eval, coco_results, collate, load_split
+from .errors import UsageError
 from .runtime import AMP_DTYPES, Dist
 
 RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
@@ -129,218 +124,6 @@ class Config:
         return AMP_DTYPES[self.amp_dtype] if self.amp else None
 
 
-@dataclass
-class Split:
-    dataset: torch.utils.data.Dataset  # (image float (3, H, W) in [0, 1], target dict)
-    coco: Any  # pycocotools.coco.COCO of the split's annotation file
-    image_ids: list[int]
-    odd: dict[str, int]  # legal but odd: boxes clamped, boxes dropped, crowd regions, images without boxes
-
-
-class CocoTargets:
-    """The first transform: crowd regions out of the training targets (torchvision's references
-    train on ``iscrowd == 0`` only), category ids to labels ``1..K``, and an image with no
-    annotation given empty ``boxes`` / ``labels`` so every target has the same keys."""
-
-    def __init__(self, label_of: dict[int, int], masks: bool) -> None:
-        self.label_of, self.masks = label_of, masks
-
-    def __call__(self, image, target: dict) -> tuple[Any, dict]:
-        from torchvision import tv_tensors
-        from torchvision.transforms.v2 import functional as TF
-
-        h, w = TF.get_size(image)
-        if "boxes" not in target:  # CocoDetection's wrapper returns only the id of an empty image
-            target = {**target, "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
-                      "iscrowd": [], **({"masks": torch.zeros(0, h, w, dtype=torch.uint8)} if self.masks else {})}
-        keep = torch.tensor([not c for c in target["iscrowd"]], dtype=torch.bool)
-        out = {"image_id": target["image_id"],
-               "boxes": tv_tensors.BoundingBoxes(torch.as_tensor(target["boxes"])[keep], format="XYXY",
-                                                 canvas_size=(h, w)),
-               "labels": torch.tensor([self.label_of[int(c)] for c in target["labels"][keep]], dtype=torch.int64)}
-        if self.masks:
-            out["masks"] = tv_tensors.Mask(target["masks"][keep])
-        return image, out
-
-
-def augmentation(policy: str) -> list:
-    """torchvision references' detection policies: ``hflip`` (their default), ``ssd`` (photometric
-    distortion, zoom out, IoU crop, flip: for training from scratch on small data), ``none``."""
-    from torchvision import tv_tensors
-    from torchvision.transforms import v2
-
-    if policy == "hflip":
-        return [v2.RandomHorizontalFlip(0.5)]
-    if policy == "ssd":  # zoom out fills with ImageNet's mean colour, masks with 0
-        return [v2.RandomPhotometricDistort(), v2.RandomZoomOut(fill={tv_tensors.Image: (123, 117, 104), "others": 0}),
-                v2.RandomIoUCrop(), v2.RandomHorizontalFlip(0.5)]
-    return []
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_coco(ann: Path, images: Path) -> dict[str, int]:
-    """The whole split checked before the first step: the annotation file's types, keys and ids
-    (each image and annotation id once; every annotation's image and category known), every file
-    name inside the image folder, and every image's header (it opens, 8-bit samples, the size the
-    file states). Bad data raises a UsageError naming the file, the id and what is wrong. Returns
-    what is legal but odd, as torchvision's references treat it: boxes crossing the image's edge
-    (clamped to it), boxes empty once clamped (dropped), crowd regions, images without boxes."""
-    from PIL import Image, UnidentifiedImageError
-
-    def bad(what: str) -> UsageError:
-        return UsageError(f"{ann}: {what}")
-
-    try:
-        data = json.loads(ann.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{ann} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise bad(f"expected a JSON object with 'images', 'annotations' and 'categories', got {type(data).__name__}")
-    cats, sizes, root = set(), {}, images.resolve()
-    for c in data.get("categories") or []:
-        if not isinstance(c, dict) or isinstance(c.get("id"), bool) or not isinstance(c.get("id"), int):
-            raise bad(f"category {preview(c)}: needs an integer 'id'")
-        if c["id"] in cats:
-            raise bad(f"category id {c['id']} is listed twice")
-        cats.add(c["id"])
-    for im in data.get("images") or []:
-        if not isinstance(im, dict) or isinstance(im.get("id"), bool) or not isinstance(im.get("id"), int):
-            raise bad(f"image {preview(im)}: needs an integer 'id'")
-        name = im.get("file_name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"image {im['id']}: needs a 'file_name' string, got {preview(name)}")
-        if im["id"] in sizes:
-            raise bad(f"image id {im['id']} is listed twice (file names {preview(sizes[im['id']][0])} and "
-                      f"{preview(name)}); each image needs its own id")
-        path = (images / name).resolve()
-        if not path.is_relative_to(root):
-            raise bad(f"image {im['id']}: file_name {preview(name)} points outside {images}")
-        if not path.is_file():
-            raise bad(f"image {im['id']}: {path.name} is not in {images}")
-        try:
-            with Image.open(path) as f:
-                mode, size = f.mode, f.size
-                if f.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientation: read_image turns it upright
-                    size = size[::-1]
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-            raise bad(f"image {im['id']}: {name} is not an image that opens ({e})") from None
-        if mode.startswith(("I", "F")):  # 16- or 32-bit samples: reading them as RGB would clip to 255
-            raise bad(f"image {im['id']}: {name} has {mode} samples; expected 8-bit images (RGB, grey or palette)")
-        stated = (im.get("width"), im.get("height"))
-        if None not in stated and tuple(stated) != size:
-            raise bad(f"image {im['id']}: {name} is {size[0]}x{size[1]}, the file states {stated[0]}x{stated[1]}")
-        sizes[im["id"]] = (name, size)
-    counts = dict(clamped=0, dropped=0, crowd=0, images_without_boxes=0)
-    seen, boxed = set(), set()
-    for a in data.get("annotations") or []:
-        aid = a.get("id") if isinstance(a, dict) else None
-        if isinstance(aid, bool) or not isinstance(aid, int):
-            raise bad(f"annotation {preview(a)}: needs an integer 'id'")
-        if aid in seen:
-            raise bad(f"annotation id {aid} is listed twice")
-        seen.add(aid)
-        for key, known, what in (("image_id", sizes, "image"), ("category_id", cats, "category")):
-            if a.get(key) not in known or isinstance(a.get(key), bool):
-                raise bad(f"annotation {aid}: {key} {preview(a.get(key))} is not a listed {what} id")
-        box = a.get("bbox")
-        if not isinstance(box, list) or len(box) != 4 or not all(_number(v) for v in box):
-            raise bad(f"annotation {aid}: bbox must be 4 numbers [x, y, width, height], got {preview(box)}")
-        if a.get("iscrowd", 0) not in (0, 1):
-            raise bad(f"annotation {aid}: iscrowd must be 0 or 1, got {preview(a.get('iscrowd'))}")
-        if a.get("iscrowd", 0):
-            counts["crowd"] += 1
-            continue
-        w, h = sizes[a["image_id"]][1]
-        x0, y0, x1, y1 = box[0], box[1], box[0] + box[2], box[1] + box[3]
-        cx0, cy0, cx1, cy1 = max(x0, 0), max(y0, 0), min(x1, w), min(y1, h)
-        if (cx0, cy0, cx1, cy1) != (x0, y0, x1, y1):
-            counts["clamped"] += 1
-        if cx1 - cx0 < 1 or cy1 - cy0 < 1:
-            counts["dropped"] += 1
-        else:
-            boxed.add(a["image_id"])
-    counts["images_without_boxes"] = len(set(sizes) - boxed)
-    return counts
-
-
-def load_split(cfg: Config, split: str, train: bool) -> Split:
-    """One split of the folder, checked: missing files, a file that is not COCO's format, missing
-    images and an empty split are UsageErrors that name what was expected."""
-    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
-    from torchvision.transforms import v2
-
-    root = Path(cfg.data_dir)
-    ann, images = root / "annotations" / f"instances_{split}.json", root / split
-    if not root.is_dir():
-        raise UsageError(f"--data-dir {root}: no such folder")
-    for path, what in ((ann, "annotation file"), (images, "image folder")):
-        if not path.exists():
-            raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
-                             f"instances_<split>.json and <split>/ holding its images)")
-    odd = check_coco(ann, images)
-
-    class Coco(CocoDetection):
-        def _load_image(self, id: int):  # train_cifar.py's reader: EXIF orientation, any 8-bit mode to RGB
-            return read_image(Path(self.root) / self.coco.loadImgs(id)[0]["file_name"])
-
-    try:
-        with contextlib.redirect_stdout(None):  # pycocotools prints its progress
-            ds = Coco(str(images), str(ann))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{ann} is not valid JSON ({e})") from None
-    except (AssertionError, KeyError, TypeError) as e:
-        raise UsageError(f"{ann} is not a COCO instances file (needs 'images', 'annotations' and 'categories' "
-                         f"lists; {type(e).__name__}: {e})") from None
-    coco = ds.coco
-    lists = [k for k in ("images", "annotations", "categories") if not isinstance(coco.dataset.get(k), list)]
-    if lists:
-        raise UsageError(f"{ann} is not a COCO instances file: {', '.join(repr(k) for k in lists)} must be lists")
-    cat_ids = sorted(coco.getCatIds())
-    if not cat_ids:
-        raise UsageError(f"{ann} lists no categories")
-    unknown = sorted({a["category_id"] for a in coco.dataset["annotations"]} - set(cat_ids))
-    if unknown:
-        raise UsageError(f"{ann}: annotations name categories {unknown[:5]} that 'categories' does not list")
-    ids = list(ds.ids)
-    if train:  # as torchvision's references: images without a usable box teach nothing to most detectors
-        ids = [i for i in ids if any(usable(a, coco.imgs[i]) for a in coco.imgToAnns[i])]
-    ids = ids[:cfg.limit_train if train else cfg.limit_val]
-    if not ids:
-        raise UsageError(f"{ann}: no {'annotated ' if train else ''}images in split {split!r}")
-    if not any(usable(a, coco.imgs[i]) for i in ids for a in coco.imgToAnns[i]):
-        raise UsageError(f"{ann}: no box in split {split!r} is usable once clamped to its image: nothing to "
-                         f"{'learn' if train else 'score'}")
-    masks = cfg.detector == "maskrcnn"
-    if masks and any("segmentation" not in a for i in ids for a in coco.imgToAnns[i]):
-        raise UsageError(f"--detector maskrcnn learns masks: every annotation in {ann} needs a 'segmentation'")
-    missing = [coco.imgs[i]["file_name"] for i in ids if not (images / coco.imgs[i]["file_name"]).is_file()]
-    if missing:
-        raise UsageError(f"{len(missing)} image(s) named in {ann} are not in {images}, e.g. {missing[:3]}")
-    steps = [CocoTargets({c: k + 1 for k, c in enumerate(cat_ids)}, masks), v2.ToImage(),
-             *(augmentation(cfg.aug) if train else []), v2.ToDtype(torch.float32, scale=True)]
-    if train:  # boxes clamped to the image, then those left (or made by augmentation) empty dropped
-        steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes()]
-    ds.transforms = v2.Compose(steps)
-    keys = ("image_id", "boxes", "labels", "iscrowd") + (("masks",) if masks else ())
-    wrapped = wrap_dataset_for_transforms_v2(ds, target_keys=keys)
-    position = {image_id: k for k, image_id in enumerate(ds.ids)}
-    return Split(torch.utils.data.Subset(wrapped, [position[i] for i in ids]), coco, ids, odd)
-
-
-def usable(a: dict, image: dict) -> bool:
-    """A box that is no crowd region and keeps at least a pixel each way once clamped to its image."""
-    x, y, w, h = a["bbox"]
-    return (not a.get("iscrowd", 0) and min(x + w, image.get("width", x + w)) - max(x, 0) >= 1
-            and min(y + h, image.get("height", y + h)) - max(y, 0) >= 1)
-
-
-def collate(batch: list) -> tuple[list, list]:
-    return tuple(zip(*batch))
-
-
 class ResNetFPN(nn.Module):
     """torchvision's ResNet trunk (random init, BatchNorm) with its FPN on the layers of the given
     strides and a max-pooled level: ``out_channels`` and ``strides`` as ``build_detector`` reads."""
@@ -365,14 +148,17 @@ class ResNetFPN(nn.Module):
 
 
 def build_model(cfg: Config, num_classes: int) -> nn.Module:
-    """The detector: a ViTDet pyramid on the ViT (or a ResNet + FPN) with ``cfg.strides``."""
+    """The detector: a ViTDet pyramid on the ViT (or a ResNet + FPN) with ``cfg.strides``, its
+    weights drawn from ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
     if cfg.model in RESNETS:
         backbone = ResNetFPN(cfg.model, cfg.strides, cfg.out_channels)
     else:
         overlay = dict(file=cfg.pretrained_file) if cfg.pretrained_file else None
+        windows = {"window_size": cfg.window_size} if cfg.window_size is not None else {}  # ViTDet's layout
         vit = registry.create_model(cfg.model, pretrained=cfg.pretrained or bool(overlay),
                                    pretrained_cfg_overlay=overlay, checkpoint_path=cfg.initial_checkpoint,
-                                   **cfg.kwargs())
+                                   **{**cfg.kwargs(), **windows})
         patch = vit.patch_embed.patch_size[0]
         grid = math.ceil(cfg.max_size / patch)  # the token grid's longest side at any image size
         if cfg.window_size is not None and cfg.window_size >= grid:
@@ -383,7 +169,7 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
         if not set(scales) <= set(SCALE_FACTORS):
             raise UsageError(f"--strides {list(cfg.strides)} with patch {patch}: ViTDet's pyramid makes strides "
                              f"{[int(patch / s) for s in SCALE_FACTORS if patch / s == int(patch / s)]} from it")
-        backbone = ViTDetBackbone(vit, cfg.out_channels, scale_factors=scales, window_size=cfg.window_size)
+        backbone = ViTDetBackbone(vit, cfg.out_channels, scale_factors=scales)
     box = "box_" if cfg.detector in ("fasterrcnn", "maskrcnn") else ""  # the R-CNNs' names start with box_
     detector = build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
                               **{f"{box}detections_per_img": cfg.detections_per_img,
@@ -481,7 +267,9 @@ def detection_task(cfg: Config, device: torch.device, dd: Dist) -> DetectionTask
     if cfg.batch_size % dd.world:
         raise UsageError(f"--batch-size is the global batch and must split evenly over the {dd.world} processes, "
                          f"got {cfg.batch_size}; use a multiple of {dd.world}")
-    train, val = load_split(cfg, cfg.train_split, True), load_split(cfg, cfg.val_split, False)
+    train, val = (load_split(cfg.data_dir, split, train=train, limit=cfg.limit_train if train else cfg.limit_val,
+                             masks=cfg.detector == "maskrcnn", aug=cfg.aug)
+                  for split, train in ((cfg.train_split, True), (cfg.val_split, False)))
     category_ids = [0, *sorted(train.coco.getCatIds())]  # label k -> category_ids[k]; 0 is the background
     if sorted(val.coco.getCatIds()) != category_ids[1:]:
         raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
