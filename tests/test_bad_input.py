@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_data import make_images, write_batches, write_folder
-from test_train import tiny
+from conftest import make_images, tiny, write_batches, write_folder
 
 import train_cifar as T
 import vitattn

@@ -114,7 +114,7 @@ class Muon(torch.optim.Optimizer):
     torch runs the iteration in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix
     products and many times slower than fp32 on CPUs without them (docs/training.md).
     ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with ``torch.bfloat16`` the steps
-    equal torch's bit for bit (tests/test_train.py). Our own class rather than a subclass of
+    equal torch's bit for bit (tests/training/test_optim.py). Our own class rather than a subclass of
     ``torch.optim.Muon``, so that the package imports on torch releases older than Muon (2.9).
     """
 

@@ -2,81 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import CLASSES, make_images, png_bytes, write_batches, write_folder, write_tar
 
 from vitattn.training import data as D
 
-CLASSES = ("cat", "dog", "frog")
-
-
-def make_images(n_per_class: int, seed: int, classes=CLASSES, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Easy, class-coloured uint8 images ``(n, 3, size, size)``: each class has its own tint."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(len(classes)).repeat_interleave(n_per_class)
-    tint = torch.tensor([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40], [40, 200, 200]],
-                        dtype=torch.float32)[: len(classes)]
-    x = tint[y][:, :, None, None] + 40 * torch.randn(len(y), 3, size, size, generator=g)
-    return x.clamp(0, 255).to(torch.uint8), y
-
-
-def _png(img: torch.Tensor) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def write_folder(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES, size: int = 32) -> Path:
-    """An ImageFolder tree ``root/{train,test}/<class>/NNNN.png`` (``n_*`` images per class)."""
-    for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
-        x, y = make_images(n, seed, classes, size)
-        for i, (img, label) in enumerate(zip(x, y)):
-            f = root / split / classes[label] / f"{i:04d}.png"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_bytes(_png(img))
-    return root
-
-
-def write_tar(path: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
-    """A ``.tar.gz`` of an ImageFolder tree (with a leading folder, as exports often have)."""
-    with tarfile.open(path, "w:gz") as tar:
-        for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
-            x, y = make_images(n, seed, classes)
-            for i, (img, label) in enumerate(zip(x, y)):
-                data = _png(img)
-                info = tarfile.TarInfo(f"cifar/{split}/{classes[label]}/{i:04d}.png")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def write_batches(root: Path, n_train: int = 12, n_test: int = 4, classes=CLASSES) -> Path:
-    """torchvision's ``cifar-10-batches-py`` layout: five train batches, a test batch, meta."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    x, y = make_images(n_train, 0, classes)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
-    for b, j in enumerate(torch.arange(len(y)).chunk(5), start=1):
-        with open(folder / f"data_batch_{b}", "wb") as f:
-            pickle.dump({"data": x[j].reshape(len(j), -1).numpy(), "labels": y[j].tolist()}, f)
-    tx, ty = make_images(n_test, 1, classes)
-    with open(folder / "test_batch", "wb") as f:
-        pickle.dump({"data": tx.reshape(len(ty), -1).numpy(), "labels": ty.tolist()}, f)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": list(classes)}, f)
-    return root
-
-
 # -- the three layouts ------------------------------------------------------------------------
+
+
 def _sorted(x: torch.Tensor, y: torch.Tensor):
     key = x.flatten(1).sum(1) * 10 + y  # order-free comparison of two (images, labels) sets
     i = key.argsort()
@@ -161,12 +98,14 @@ def test_a_corrupt_image_names_its_file(tmp_path, layout):
 
 def test_images_of_different_sizes_are_refused(tmp_path):
     root = write_folder(tmp_path / "f", n_train=2, n_test=1)
-    (root / "train" / "cat" / "0000.png").write_bytes(_png(torch.zeros(3, 30, 32, dtype=torch.uint8)))
+    (root / "train" / "cat" / "0000.png").write_bytes(png_bytes(torch.zeros(3, 30, 32, dtype=torch.uint8)))
     with pytest.raises(D.DataError, match="one size"):
         D.load_cifar(root, cache=False)
 
 
 # -- augmentation ----------------------------------------------------------------------------
+
+
 def test_translate_moves_a_single_pixel_by_at_most_pad():
     x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
     x[:, :, 10, 20] = 255
@@ -233,6 +172,8 @@ def test_normalize_matches_the_formula():
 
 
 # -- batches ---------------------------------------------------------------------------------
+
+
 def test_rank_shards_are_disjoint_and_cover_the_epoch():
     x = torch.zeros(103, 3, 4, 4, dtype=torch.uint8)
     y = torch.arange(103)

@@ -19,7 +19,7 @@ pytest.importorskip("torchvision")
 from vitattn.training import cli, detect  # noqa: E402  (after the skips)
 from vitattn.training.coco import check_coco, load_split  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_detection.py"
 TINY_VIT = json.dumps(dict(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=2))
 SMALL = ["--model", "vit_tiny_patch16_224", "--model-kwargs", TINY_VIT, "--strides", "8", "16",

@@ -153,7 +153,7 @@ def test_the_package_and_its_muon_need_no_torch_optim_muon():
             "opt = create_optimizer(m, **RECIPES['vit'].optimizer_kwargs())\n"
             "m(torch.randn(2, 3, 32, 32)).sum().backward(); opt.step(); print(type(opt.optimizers[0]).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "Muon", out.stderr
 
 

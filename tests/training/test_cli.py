@@ -1,0 +1,104 @@
+"""vitattn.training.cli through train_cifar.py's command line: help, presets, bad options, timm's names."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import train_cifar as T
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_cli_help_and_preset_routing(capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--help"])
+    assert e.value.code == 0 and "--time-budget" in capsys.readouterr().out
+    cfg = T.parse_args(["--vit-preset", "vit_longrange", "--cnn-preset", "cnn_quick", "--bf16"])
+    assert (cfg.vit_preset, cfg.cnn_preset, cfg.bf16) == ("vit_longrange", "cnn_quick", True)
+    assert (cfg.amp, cfg.autocast_dtype()) == (True, torch.bfloat16)  # --bf16 is --amp --amp-dtype bfloat16
+    assert T.parse_args(["--amp", "--amp-dtype", "float16"]).autocast_dtype() == torch.float16
+    assert T.parse_args([]).autocast_dtype() is None
+    with pytest.raises(SystemExit):
+        T.parse_args(["--vit-preset", "cnn_longrange"])  # a CNN preset where a ViT one belongs
+
+
+BAD_OPTIONS = [
+    (["--optimizer", "muon"], "use it with --model vit, got --model both"),
+    (["--batch-size", "0"], "--batch-size must be > 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--epochs", "0"], "--epochs must be > 0"),
+    (["--time-budget", "-3"], "--time-budget must be > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--label-smoothing", "1.5"], r"--label-smoothing must be in \[0, 1\)"),
+    (["--warmup", "1"], r"--warmup must be in \[0, 1\)"),
+    (["--momentum", "1"], r"--momentum must be in \[0, 1\)"),
+    (["--min-lr", "-0.1"], "--min-lr must be >= 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    (["--translate", "-2"], "--translate must be >= 0"),
+    (["--cutout", "-1"], "--cutout must be >= 0"),
+    (["--model-ema-decay", "1"], r"--model-ema-decay must be in \[0, 1\)"),
+    (["--bias-lr-scale", "0"], "--bias-lr-scale must be > 0"),
+    (["--limit-train", "0"], "--limit-train must be > 0"),
+    (["--limit-test", "-5"], "--limit-test must be > 0"),
+    (["--long-range-train", "0"], "--long-range-train must be > 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
+    (["--batch-size", "2.5"], "invalid int value"),
+    (["--vit-preset", "cnn_longrange"], "--vit-preset: cnn_longrange is a cnn preset, expected a vit one"),
+    (["--cnn-preset", "nope"], "unknown preset 'nope'"),
+    (["--resume", "runs/x", "--epochs", "3"], "drop .*--epochs"),
+    (["--device", "tpu"], "not a device torch knows"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--vit-kwargs", "{depth: 2}"], "--vit-kwargs must be a JSON object"),
+    (["--vit-kwargs", "[2]"], "--vit-kwargs must be a JSON object of config fields"),
+    (["--vit-kwargs", '{"dept": 2}'], r"--vit-kwargs: .*no option\(s\) \['dept'\]"),
+    (["--cnn-kwargs", '{"stem": "fft"}'], "--cnn-kwargs: .*stem"),
+    (["--long-range-background", "stars"], "invalid choice"),
+    (["--seed", str(2**70)], r"--seed must be below 2\*\*32"),
+    (["--bf16", "--amp", "--amp-dtype", "float16"], "--bf16 means --amp --amp-dtype bfloat16"),
+    (["--amp-dtype", "float32"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_exit_2_with_one_message(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    try:
+        code = T.command_line([*argv, "--out", str(out), "--no-progress", "--dataset", "long-range"])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(message, err), err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
+    cfg = T.parse_args(["--output", str(tmp_path / "o"), "--clip-grad", "2"])
+    assert (cfg.out, cfg.grad_clip) == (str(tmp_path / "o"), 2.0)  # timm's names for --out, --grad-clip
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 0.01\n--epochs: 2\nmodel: cnn\n")
+    cfg = T.parse_args(["-c", str(f), "--epochs", "3"])  # the file gives defaults, the command line wins
+    assert (cfg.lr, cfg.epochs, cfg.model) == (0.01, 3.0, "cnn")
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+    for text, message in (("colour: red\n", "unknown option(s) ['colour']"),
+                          ("epochs: [1, 2]\n", "epochs must be float | None, got [1, 2] (list)"),
+                          ("lr: [oops\n", "cannot read it as a config"),
+                          ("batch_size: true\n", "batch_size must be int | None, got True (bool)"),
+                          ("model: null\n", "model must be str, got None"),
+                          ("flip: 1\n", "flip must be bool, got 1 (int)"),
+                          (b"lr: 0.01 \xff\xfe\n", "expected UTF-8 text, got a byte 0xff at offset 9"),
+                          (bomb, "aliases expand to 490,329,064 values, more than 10,000")):
+        f.write_bytes(text) if isinstance(text, bytes) else f.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            T.parse_args(["-c", str(f)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()[-1]) < 300, err[-500:]
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--list-models", "cnn_*"])
+    listing = capsys.readouterr().out
+    assert e.value.code == 0 and "cnn_cifar10" in listing and "vit_" not in listing
+    assert "[default for cifar10]" in listing and "1.16M" in listing
