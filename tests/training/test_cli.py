@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -102,3 +103,18 @@ def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
     listing = capsys.readouterr().out
     assert e.value.code == 0 and "cnn_cifar10" in listing and "vit_" not in listing
     assert "[default for cifar10]" in listing and "1.16M" in listing
+
+
+def test_both_scripts_declare_their_shared_options_once():
+    """The options every script has live in runtime.RunOptions, re-declared by neither config;
+    gradient clipping has one name in both (grad_clip, timm's --clip-grad as an alias)."""
+    from vitattn.training import cli, detect, runtime
+
+    shared = {f.name for f in dataclasses.fields(runtime.RunOptions)}
+    for cfg in (T.Config, detect.Config):
+        assert issubclass(cfg, runtime.RunOptions)
+        assert not shared & set(vars(cfg).get("__annotations__", {})), cfg
+        assert "grad_clip" in {f.name for f in dataclasses.fields(cfg)}
+    parsed = cli.parse_config(cli.build_parser(detect.Config, "d"), detect.Config,
+                              ["--data-dir", "x", "--clip-grad", "2", "--seed", "3", "--amp"])
+    assert (parsed.grad_clip, parsed.seed, parsed.autocast_dtype()) == (2.0, 3, torch.bfloat16)

@@ -36,7 +36,7 @@ from .runtime import Dist, all_reduce_, autocast
 
 
 @dataclass
-class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
+class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
     vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
     cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
@@ -58,20 +58,13 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
     limit_train: int | None = option(None, "use only the first N training images")
     limit_test: int | None = option(None, "use only the first N test images")
     epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
-    time_budget: float | None = option(None, "minutes of training steps per model; ends the run if reached first")
     flip: bool = option(True, "augmentation: random horizontal mirror")
-    seed: int = option(0, "seed for weights, batches and augmentation")
     teacher: str | None = option(None, "a finished train_cifar.py run folder whose CNN the ViT also learns from "
                                  "(DeiT's hard distillation: the CNN labels each augmented batch as the ViT sees it; "
                                  "the ViT gets a distillation token unless --vit-kwargs sets \"distilled\": false); "
                                  "needs --model vit")
-    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp)")
-    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
-                            choices=tuple(runtime.AMP_DTYPES))
     bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
     compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
-    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
-                         "'cuda:1' (one process)")
     tf32: bool = option(True, "CUDA: TF32 matrix products and convolutions in fp32 runs (timm's default); "
                         "--no-tf32 for exact fp32")
     cudnn_benchmark: bool = option(True, "CUDA: let cuDNN time its convolution algorithms on first use and keep the "
@@ -81,10 +74,8 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
     eval_batch_size: int = option(500, "images per evaluation batch")
     out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already",
                              aliases=("--output",))
-    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
     context_images: int | None = option(None, "test images for the global-context measures (default: 128, or "
                                         "the whole test set when smaller)")
-    progress: bool = option(True, "tqdm progress bar")
     plots: bool = option(True, "write PNG plots (matplotlib)")
 
     POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
@@ -123,10 +114,6 @@ class Config(cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the fam
         return cli.preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
                                  refuse=("img_size", "num_classes", "in_chans"),
                                  why="come from the data (its image size, classes and channels)")
-
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The autocast precision, or None for fp32."""
-        return runtime.AMP_DTYPES[self.amp_dtype] if self.amp else None
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]

@@ -32,7 +32,7 @@ from . import loop, runtime
 from .cli import check_fields, option, preset_kwargs
 from .coco import Split, coco_eval, coco_results, collate, load_split
 from .errors import UsageError
-from .runtime import AMP_DTYPES, Dist
+from .runtime import Dist, RunOptions
 
 RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
 
@@ -41,7 +41,7 @@ AUGMENTATIONS = ("hflip", "ssd", "none")  # torchvision references' --data-augme
 
 
 @dataclass
-class Config:
+class Config(RunOptions):
     data_dir: str | None = option(None, "COCO-format folder: annotations/instances_<split>.json and <split>/ images")
     train_split: str = option("train", "training split name")
     val_split: str = option("val", "evaluation split name")
@@ -60,7 +60,6 @@ class Config:
     max_size: int = option(1333, "... and the long side at most this")
     aug: str = option("hflip", "training augmentation, as torchvision's references", choices=AUGMENTATIONS)
     epochs: int = option(12, "passes over the training images")
-    time_budget: float | None = option(None, "minutes of training steps; ends the run if reached first")
     batch_size: int = option(2, "images per step, global: split evenly over the processes of a torchrun")
     lr: float = option(1e-4, "AdamW peak learning rate")
     weight_decay: float = option(0.1, "weight decay (not on biases, norms, position tables)")
@@ -75,16 +74,8 @@ class Config:
     detections_per_img: int = option(100, "detections kept per image, as COCO scores them")
     score_thresh: float = option(0.05, "detections scoring below this are dropped before COCO scoring (torchvision's "
                                  "R-CNN default; its FCOS default, 0.2, would cut recall)")
-    amp: bool = option(False, "mixed precision: the backbone under autocast in --amp-dtype, heads and boxes in fp32")
-    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
-                            choices=tuple(AMP_DTYPES))
-    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
-                         "'cuda:1' (one process)")
-    seed: int = option(0, "seed for weights, data order and augmentation")
-    progress: bool = option(True, "tqdm progress bar")
     out: str | None = option(None, "run folder (default: runs/detection-<timestamp>); must not hold a run",
                              aliases=("--output",))
-    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
 
     POSITIVE = ("strides", "out_channels", "window_size", "min_size", "max_size", "epochs", "time_budget",
                 "batch_size", "lr", "limit_train", "limit_val", "detections_per_img")
@@ -119,9 +110,6 @@ class Config:
     def kwargs(self) -> dict[str, Any]:
         preset = self.model if self.model in registry.PRESETS else None
         return preset_kwargs("--model-kwargs", self.model_kwargs, preset)
-
-    def autocast_dtype(self) -> torch.dtype | None:
-        return AMP_DTYPES[self.amp_dtype] if self.amp else None
 
 
 class ResNetFPN(nn.Module):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .cli import option
 from .errors import Signalled, UsageError
 
 
@@ -135,6 +136,28 @@ def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> Non
 
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunOptions:
+    """The options every training script has, declared once: how long a run trains, in what
+    precision, on which device, from which seed, shown how, resumed from where. Each script's
+    config adds its own (``classify.Config``, ``detect.Config``)."""
+
+    time_budget: float | None = option(None, "minutes of training steps (per model); ends the run if reached first")
+    amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp); "
+                       "a detector's heads and boxes stay in fp32")
+    amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
+                            choices=tuple(AMP_DTYPES))
+    device: str = option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' (under torchrun: each rank's own GPU), "
+                         "'cuda:1' (one process)")
+    seed: int = option(0, "seed for weights, data order and augmentation")
+    progress: bool = option(True, "tqdm progress bar")
+    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast precision, or None for fp32."""
+        return AMP_DTYPES[self.amp_dtype] if self.amp else None
 
 
 def native_bf16(device: torch.device | str) -> bool:
