@@ -265,26 +265,58 @@ def build_detector(
 
 
 # -- mixed precision --------------------------------------------------------------------------
+class Float32(nn.Module):
+    """``module`` handing fp32 on, whatever autocast is on around it. ``inside=True``: it runs in
+    fp32 too (autocast off, floating inputs in tensors, lists, dicts or torchvision's ``ImageList``
+    cast to fp32); ``inside=False``: it runs in the surrounding autocast's precision and its
+    outputs are cast to fp32. Its parameters, buffers and children are ``module``'s, under the same
+    names (a checkpoint loads either way), and so are its other attributes.
+
+    A detector under mixed precision (:func:`fp32_heads`): the training loop runs the whole forward
+    pass under autocast; the backbone computes in it, while anchors, box regression and decoding,
+    NMS and scoring need fp32 (bf16 keeps 8 significant bits: a coordinate of 1333 px rounds to 8 px)."""
+
+    def __init__(self, module: nn.Module, inside: bool = True) -> None:
+        super().__init__()
+        object.__setattr__(self, "wrapped", module)  # not a child: its children are this module's own
+        object.__setattr__(self, "inside", inside)
+        self._parameters, self._buffers, self._modules = module._parameters, module._buffers, module._modules
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "wrapped"), name)
+
+    def train(self, mode: bool = True) -> Float32:
+        self.wrapped.training = mode  # the flag torchvision's heads read; the children are shared
+        return super().train(mode)
+
+    def forward(self, *args, **kwargs):
+        if not self.inside:
+            return _to_fp32(self.wrapped(*args, **kwargs))
+        with torch.autocast(next(self.parameters()).device.type, enabled=False):
+            return self.wrapped(*_to_fp32(args), **_to_fp32(kwargs))
 
 
+def _to_fp32(x):
+    if torch.is_tensor(x):
+        return x.float() if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_to_fp32(v) for v in x)
+    if isinstance(x, dict):
+        return type(x)((k, _to_fp32(v)) for k, v in x.items())
+    if type(x).__name__ == "ImageList":  # torchvision's batch of padded images and their sizes
+        return type(x)(_to_fp32(x.tensors), x.image_sizes)
+    return x
 
-def autocast_backbone(detector: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """Mixed precision where it pays and fp32 where it counts: ``detector.backbone`` runs under
-    autocast in ``dtype`` and hands its feature maps on in fp32, so the heads' box regression, box
-    decoding, NMS and scoring stay in fp32 (bf16 keeps 8 significant bits: a coordinate of 1333 px
-    rounds to 8 px). Weights and their names are unchanged; ``None`` leaves the detector as it is.
-    Returns ``detector``."""
-    if dtype is None:
-        return detector
-    body = detector.backbone
-    forward = body.forward
 
-    def forward_in_autocast(x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
-        with torch.autocast(x.device.type, dtype=dtype):
-            features = forward(x)
-        return OrderedDict((k, v.float()) for k, v in features.items())
-
-    body.forward = forward_in_autocast
+def fp32_heads(detector: nn.Module) -> nn.Module:
+    """The detector for mixed precision (:class:`Float32`): its backbone computes in the loop's
+    autocast and hands fp32 maps on; its heads (an R-CNN's ``rpn`` and ``roi_heads``, RetinaNet's
+    and FCOS's ``head``) run in fp32. Names and weights unchanged. Returns ``detector``."""
+    detector.backbone = Float32(detector.backbone, inside=False)
+    for name in ("rpn", "roi_heads", "head"):
+        if isinstance(getattr(detector, name, None), nn.Module):
+            setattr(detector, name, Float32(getattr(detector, name)))
     return detector
-
-

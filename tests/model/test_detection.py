@@ -193,11 +193,17 @@ def test_detector_train_step_and_eval(kind):
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
 
 
-def test_autocast_runs_the_backbone_in_bf16_and_decodes_boxes_in_fp32():
-    from vitattn.detection import autocast_backbone
+@pytest.mark.parametrize("kind", ["fcos", "fasterrcnn"])
+def test_under_autocast_the_backbone_computes_in_bf16_and_the_heads_and_boxes_in_fp32(kind):
+    """The loop runs the whole forward pass under autocast; fp32_heads (Float32 modules) keeps the
+    heads, anchors and boxes in fp32 with every weight under its name, in training and in eval."""
+    from vitattn.detection import Float32, fp32_heads
 
     torch.manual_seed(0)
-    model = autocast_backbone(small_detector("fcos", tiny_vit(depth=2)), torch.bfloat16).eval()
+    plain = small_detector(kind, tiny_vit(depth=2))
+    model = fp32_heads(small_detector(kind, tiny_vit(depth=2)))
+    assert isinstance(model.backbone, Float32) and list(model.state_dict()) == list(plain.state_dict())
+    model.load_state_dict(plain.state_dict())  # a checkpoint loads either way
     seen = {}
 
     def record(name, dtype_of):
@@ -206,13 +212,20 @@ def test_autocast_runs_the_backbone_in_bf16_and_decodes_boxes_in_fp32():
         return hook
 
     model.backbone.vit.blocks[0].attn.qkv.register_forward_hook(record("qkv", lambda i, o: o.dtype))
-    model.head.register_forward_hook(record("head", lambda i, o: i[0][0].dtype))
-    images, _ = batch()
-    with torch.no_grad():
+    head = model.head.classification_head.cls_logits if kind == "fcos" else model.roi_heads.box_predictor.cls_score
+    head.register_forward_hook(record("head", lambda i, o: o.dtype))
+    images, targets = batch()
+    model.train()
+    assert model.head.training if kind == "fcos" else model.roi_heads.training and model.rpn.training
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(images, targets)
+    assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())
+    model.eval()
+    assert not (model.head.training if kind == "fcos" else model.roi_heads.training)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(images)
     assert seen == {"qkv": torch.bfloat16, "head": torch.float32}
     assert all(o["boxes"].dtype == o["scores"].dtype == torch.float32 for o in out)
-    assert set(model.state_dict()) == set(small_detector("fcos", tiny_vit(depth=2)).state_dict())  # same names
 
 
 class TwoLevels(torch.nn.Module):

@@ -86,9 +86,8 @@ def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
                          ids=["fp32", "bf16", "fp16"])
 def test_a_fresh_run_keeps_data_model_and_sums_on_the_device(tmp_path, folder, stand_in, amp, monkeypatch):
     if amp:  # autocast has no meta backend: the CPU's is taken, which leaves meta ops as they are
-        cpu_autocast = runtime.autocast
-        for module in (runtime, classify):
-            monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
+        cpu_autocast = runtime.autocast  # the loop's, the one autocast a run has
+        monkeypatch.setattr(runtime, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
     s = T.main(config(tmp_path, folder, tta=True, **amp))
     assert s["status"] == "ok" and set(s["models"]) == {"vit", "cnn"}
     assert next(s["modules"]["vit"].parameters()).device == STAND_IN
@@ -168,9 +167,8 @@ def test_a_steady_state_step_moves_nothing_between_host_and_device(tmp_path, fol
     """Each copy or read between host and GPU makes the host wait for the GPU's queue: in steady
     state a step queues work and nothing else; the loop reads its sums every READ_EVERY steps."""
     if kw.get("amp"):  # autocast has no meta backend: the CPU's leaves meta ops as they are
-        cpu_autocast = runtime.autocast
-        for module in (runtime, classify):
-            monkeypatch.setattr(module, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
+        cpu_autocast = runtime.autocast  # the loop's, the one autocast a run has
+        monkeypatch.setattr(runtime, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype))
     monkeypatch.setattr(loop, "READ_EVERY", 4)
     per_step, step_of = [], []
     last = {"n": stand_in.traffic.total()}

@@ -28,7 +28,7 @@ from .cli import option
 from .errors import UsageError
 from .longrange import ATTRIBUTES, BACKGROUNDS, DISTANCE_EDGES, accuracy_by_distance, long_range_data
 from .recipes import DATASET_RECIPES, DEFAULT_PRESETS, RECIPES, Recipe
-from .runtime import Dist, all_reduce_, autocast
+from .runtime import Dist, all_reduce_
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -265,14 +265,15 @@ def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tupl
 @torch.no_grad()
 def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
              device: torch.device | str = "cpu", dd: Dist | None = None, channels_last: bool = False,
-             tta: bool = False, amp_dtype: torch.dtype | None = None) -> dict:
+             tta: bool = False) -> dict:
     """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
 
     With ``tta`` also ``acc_tta`` (softmax averaged over each image and its mirror) and
     ``acc_tta_shift`` (airbench's six views, its ``tta_level=2``: half weight on that pair, half
     on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy.
-    ``amp_dtype`` runs the model under autocast. Sums stay on ``device`` (what NCCL reduces) and
-    are read once at the end, so a GPU is not stalled after every batch.
+    Under autocast (the loop's, with --amp) the model runs in its precision, the scores in fp32.
+    Sums stay on ``device`` (what NCCL reduces) and are read once at the end, so a GPU is not
+    stalled after every batch.
     """
     dd = dd or Dist()
     device = torch.device(device)
@@ -286,16 +287,14 @@ def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
         yb = y[j].to(device)
-        with autocast(device, amp_dtype):
-            logits = model(xb).float()
+        logits = model(xb).float()
         ok = logits.argmax(1) == yb
         sums[0] += F.cross_entropy(logits, yb, reduction="sum")
         sums[1] += ok.sum()
         sums[4] += len(j)
         hits[j.to(device)] = ok.int()
         if tta:
-            with autocast(device, amp_dtype):
-                pair, four = _tta_probs(model, xb, logits)
+            pair, four = _tta_probs(model, xb, logits)
             sums[2] += (pair.argmax(1) == yb).sum()
             sums[3] += ((pair + four).argmax(1) == yb).sum()
     model.train(was_training)
@@ -320,12 +319,12 @@ class ClassifyTask:
 
     def __init__(self, family: str, loader: data.BatchLoader, norm: nn.Module, test_x: torch.Tensor,
                  test_y: torch.Tensor, *, device: torch.device, dd: Dist, label_smoothing: float = 0.0,
-                 amp_dtype: torch.dtype | None = None, channels_last: bool = False, eval_batch_size: int = 500,
+                 channels_last: bool = False, eval_batch_size: int = 500,
                  tta: bool = True, test_distance: torch.Tensor | None = None,
                  distance_edges: tuple[int, ...] = (), teacher: nn.Module | None = None) -> None:
         self.family, self.loader, self.norm = family, loader, norm
         self.test_x, self.test_y, self.device, self.dd = test_x, test_y, device, dd
-        self.label_smoothing, self.amp_dtype, self.channels_last = label_smoothing, amp_dtype, channels_last
+        self.label_smoothing, self.channels_last = label_smoothing, channels_last
         self.eval_batch_size, self.tta = eval_batch_size, tta
         self.test_distance, self.distance_edges = test_distance, distance_edges
         self.teacher = teacher
@@ -339,23 +338,21 @@ class ClassifyTask:
         x = self.norm(xb)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with autocast(x.device, self.amp_dtype):
-            logits = net(x)
-            if self.teacher is None:
-                loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
-            else:  # DeiT's hard distillation: half the loss on the labels, half on the teacher's
-                with torch.no_grad():
-                    taught = self.teacher(x).argmax(1)
-                logits, dist = logits if isinstance(logits, tuple) else (logits, logits)
-                loss = (F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
-                        + F.cross_entropy(dist.float(), taught)) / 2
-                logits = (logits + dist) / 2
+        logits = net(x)  # under the loop's autocast with --amp
+        if self.teacher is None:
+            loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+        else:  # DeiT's hard distillation: half the loss on the labels, half on the teacher's
+            with torch.no_grad():
+                taught = self.teacher(x).argmax(1)
+            logits, dist = logits if isinstance(logits, tuple) else (logits, logits)
+            loss = (F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
+                    + F.cross_entropy(dist.float(), taught)) / 2
+            logits = (logits + dist) / 2
         return loss, (logits.argmax(1) == yb).sum(), len(yb)
 
     def _evaluate(self, model: nn.Module, tta: bool) -> dict:
         return evaluate(model, self.norm, self.test_x, self.test_y, batch_size=self.eval_batch_size,
-                        device=self.device, dd=self.dd, channels_last=self.channels_last, tta=tta,
-                        amp_dtype=self.amp_dtype)
+                        device=self.device, dd=self.dd, channels_last=self.channels_last, tta=tta)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         ev = self._evaluate(model, False)
@@ -383,7 +380,7 @@ def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, d
     loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True,
                               drop_last=True, augment=augment, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     return ClassifyTask(family, loader, ds.norm, ds.data.test_x, ds.data.test_y, device=device, dd=dd,
-                        label_smoothing=r.label_smoothing, amp_dtype=cfg.autocast_dtype(),
+                        label_smoothing=r.label_smoothing,
                         channels_last=family == "cnn" and cfg.channels_last, eval_batch_size=cfg.eval_batch_size,
                         tta=cfg.tta, test_distance=ds.test_distance,
                         distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()), teacher=teacher)

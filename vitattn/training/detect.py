@@ -24,8 +24,8 @@ from ..detection import (
     DETECTORS,
     SCALE_FACTORS,
     ViTDetBackbone,
-    autocast_backbone,
     build_detector,
+    fp32_heads,
 )
 from ..helpers import count_params
 from . import loop, runtime
@@ -162,7 +162,7 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
     detector = build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
                               **{f"{box}detections_per_img": cfg.detections_per_img,
                                  f"{box}score_thresh": cfg.score_thresh})
-    return autocast_backbone(detector, cfg.autocast_dtype())  # --amp: the backbone; boxes stay fp32
+    return fp32_heads(detector) if cfg.amp else detector  # under the loop's autocast: boxes stay in fp32
 
 
 # where and how a run executes and shows, not what it trains: a resume may move them
@@ -215,7 +215,7 @@ class DetectionTask:
 
     def loss(self, net: nn.Module, batch: tuple[list, list]) -> tuple[torch.Tensor, torch.Tensor, int]:
         images, targets = to_device(*batch, self.device)
-        loss = sum(net(images, targets).values())  # --amp's autocast is inside, around the backbone
+        loss = sum(net(images, targets).values())  # under the loop's autocast with --amp
         return loss, self.no_hits, len(images)
 
     @torch.no_grad()

@@ -97,6 +97,7 @@ class Run:
     scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
     precision: str
     ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
+    amp_dtype: torch.dtype | None = None  # the forward passes' autocast precision; None: fp32
     compiling: bool = False  # the next step compiles the model (first step of a session)
     config: dict | None = None  # the run's options, saved with each checkpoint
     extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
@@ -126,8 +127,10 @@ def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.Optim
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
           config: dict | None = None, extra: dict | None = None) -> Run:
     """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``ck`` (read and checked by
-    ``runfolder.resume_checkpoint``) when resuming. ``amp_dtype`` only names the precision and
-    sets up fp16's gradient scaler: the task runs its forward pass under autocast."""
+    ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
+    forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
+    precision is the loop's alone (a detector's fp32 heads are a module of its own,
+    ``vitattn.detection.Float32``)."""
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     st = TrainState()
@@ -142,6 +145,7 @@ def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.Optim
     return Run(task=task, model=model, net=runtime.wrap_model(model, dd, device, compile), opt=opt, lr_at=lr_at,
                grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, ckpt=ckpt, device=device, dd=dd,
                scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
+               amp_dtype=amp_dtype,
                compiling=compile, config=config, extra=extra or {}, st=st,
                running=torch.zeros(2, dtype=torch.float64, device=device))
 
@@ -150,7 +154,8 @@ def train_step(run: Run, batch: Any) -> int:
     """One optimiser step; its loss and hits are added to ``run.running`` on the device, so
     nothing here waits for a GPU. Returns the batch's images."""
     optim.set_lr(run.opt, run.lr_at(run.progress()))
-    loss, hits, n = run.task.loss(run.net, batch)
+    with runtime.autocast(run.device, run.amp_dtype):  # the forward pass; the backward runs as it did
+        loss, hits, n = run.task.loss(run.net, batch)
     optim.backward_step(loss, run.opt, run.scaler, run.model.parameters(), run.grad_clip)
     if run.ema is not None:
         run.ema.update_parameters(run.model)
@@ -254,11 +259,12 @@ def evaluate_epoch(run: Run, metrics: Path, log) -> None:
     """The due evaluation: a line of ``metrics``, then a checkpoint with it done (unless the run
     is done: ``finish`` saves then)."""
     st, task, dd = run.st, run.task, run.dd
-    ev = task.evaluate(run.model)
-    raw = {}
-    if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
-        raw = {f"{k}_no_ema": v for k, v in ev.items()}
-        ev = task.evaluate(run.ema.module)
+    with runtime.autocast(run.device, run.amp_dtype):
+        ev = task.evaluate(run.model)
+        raw = {}
+        if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
+            raw = {f"{k}_no_ema": v for k, v in ev.items()}
+            ev = task.evaluate(run.ema.module)
     st.best = max(st.best, ev[task.score])
     sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=run.device)
     sums = runtime.all_reduce_(sums, dd).tolist()
@@ -291,7 +297,8 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
         if rows:  # the last epoch's line already tested these raw weights
             raw = {f"final_{k.removeprefix('test_')}": v for k, v in rows[-1].items() if k.endswith("_no_ema")}
         model.load_state_dict(run.ema.module.state_dict())
-    final = task.final(model)
+    with runtime.autocast(run.device, run.amp_dtype):
+        final = task.final(model)
     name = task.score.removeprefix("test_")  # test_acc: final_acc, best_acc
     result = dict(family=task.family, params=count_params(model), epochs=rows[-1]["epoch"] if rows else st.epoch,
                   steps=st.global_step, **final, **{f"best_{name}": max(st.best, final[f"final_{name}"])},
