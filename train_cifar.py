@@ -42,32 +42,32 @@ def main(config: Config) -> dict:
         cfg, dev, log = s.cfg, s.device, s.log
         # everything is checked before the run folder is written: data, models, checkpoints, options
         ds = classify.load_dataset(cfg, dev)
-        models = {fam: classify.build_model(fam, cfg, ds, dev, s.dd.world) for fam in cfg.models()}
+        models = {fam: classify.build_model(fam, cfg, ds, dev, s.ranks.world) for fam in cfg.models()}
         teacher = classify.load_teacher(cfg, ds, dev) if cfg.teacher else None
-        ckpts = {fam: s.checkpoint(fam, m, UNCHECKED_ON_RESUME) for fam, m in models.items()}
+        resumed = {fam: s.checkpoint(fam, m, UNCHECKED_ON_RESUME) for fam, m in models.items()}
         s.begin()
         log(f"data: {ds.data.source}: {len(ds.data.train_x)} train / {len(ds.data.test_x)} test images, "
-            f"{len(ds.data.classes)} classes; device {dev}, world size {s.dd.world}")
+            f"{len(ds.data.classes)} classes; device {dev}, world size {s.ranks.world}")
         results, modules = {}, {}
         for fam, model in models.items():
-            run = classify.start_run(fam, model, cfg, ds, dev, s.dd, s.out / "checkpoints" / f"{fam}.pt", ckpts[fam],
-                                     teacher.model if teacher else None)
-            pipeline = data.pipeline_speed(run.task.loader, ds.norm) if s.dd.main and not run.st.done else {}
-            for line in [] if run.st.done else classify.describe_run(fam, model, cfg, run, pipeline, teacher):
+            run = classify.start_run(fam, model, cfg, ds, dev, s.ranks, s.out / "checkpoints" / f"{fam}.pt",
+                                     resumed[fam], teacher.model if teacher else None)
+            pipeline = data.pipeline_speed(run.task.loader, ds.norm) if s.ranks.main and not run.state.done else {}
+            for line in [] if run.state.done else classify.describe_run(fam, model, cfg, run, pipeline, teacher):
                 log(line)
-            results[fam] = s.fit(run, ckpts[fam], info=dict(
+            results[fam] = s.fit(run, resumed[fam], info=dict(
                 preset=cfg.preset(fam), flops_per_image=model.flops, recipe=asdict(cfg.recipe(fam)), pipeline=pipeline,
                 **({"teacher": teacher.info} if teacher else {})))
             if results[fam] is None:  # stopped: Ctrl-C, SIGTERM or a NaN loss
                 del results[fam]
                 break
-            if s.dd.main:  # written anew when already finished: a crash may have cut the first copy short
+            if s.ranks.main:  # written anew when already finished: a crash may have cut the first copy short
                 runfolder.save_safetensors(model, s.out / "checkpoints" / f"{fam}.safetensors")
             modules[fam] = model
         summary = {"status": s.status, "signal": s.stop.signum, "dataset": cfg.dataset, "data_source": ds.data.source,
-                   "classes": list(ds.data.classes), "world_size": s.dd.world, "models": results,
+                   "classes": list(ds.data.classes), "world_size": s.ranks.world, "models": results,
                    "config": asdict(cfg), "environment": runtime.environment(dev), "out": str(s.out)}
-        if s.status == "ok" and s.dd.main:
+        if s.status == "ok" and s.ranks.main:
             summary["train_seconds_total"] = sum(r["train_seconds"] for r in results.values())
             summary["wall_seconds_total"] = time.perf_counter() - t0  # data, training, evaluation
             pick = classify.context_sample(cfg.seed, cfg.context_images, len(ds.data.test_x)).to(ds.data.test_x.device)

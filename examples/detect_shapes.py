@@ -216,9 +216,9 @@ def train_run(cfg: RunConfig) -> dict:
     options.write_text(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}))
     if subprocess.run([sys.executable, str(SCRIPT), "-c", str(options)], cwd=ROOT).returncode:
         raise SystemExit(f"{SCRIPT.name} -c {options} failed; its run folder is {out}")
-    ck = runfolder.load_checkpoint(out / "checkpoints" / "detector.pt")
-    model = detect.build_model(cfg, len(ck["category_ids"]))
-    model.load_state_dict(ck["model"])
+    resumed = runfolder.load_checkpoint(out / "checkpoints" / "detector.pt")
+    model = detect.build_model(cfg, len(resumed["category_ids"]))
+    model.load_state_dict(resumed["model"])
     return {**json.loads((out / "summary.json").read_text()), "model": model}
 
 

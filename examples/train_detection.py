@@ -32,28 +32,28 @@ def main(config: Config) -> dict:
     with session.start(config, SCRIPT, prefix="detection-") as s:
         cfg, dev = s.cfg, s.device
         # everything is checked before the run folder is written: the whole folder, the model, the checkpoint
-        task = detect.detection_task(cfg, dev, s.dd)
+        task = detect.detection_task(cfg, dev, s.ranks)
         model = detect.build_model(cfg, len(task.category_ids)).to(dev)
-        ck = s.checkpoint("detector", model, detect.UNCHECKED_ON_RESUME)
+        resumed = s.checkpoint("detector", model, detect.UNCHECKED_ON_RESUME)
         s.begin()
         opt = optim.create_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-        budget_s = cfg.time_budget * 60 if cfg.time_budget else None
-        run = loop.start(task, model, opt, ck=ck, ckpt=s.out / "checkpoints" / "detector.pt", budget_s=budget_s,
+        run = loop.start(task, model, opt, resumed=resumed, checkpoint_path=s.out / "checkpoints" / "detector.pt",
+                         budget_s=cfg.time_budget * 60 if cfg.time_budget else None,
                          lr_at=lambda p: optim.get_lr(p, cfg.lr, cfg.warmup, "cosine"), grad_clip=cfg.grad_clip,
-                         total_steps=cfg.epochs * task.steps_per_epoch, device=dev, dd=s.dd, seed=cfg.seed,
+                         total_steps=cfg.epochs * task.steps_per_epoch, device=dev, ranks=s.ranks, seed=cfg.seed,
                          amp_dtype=cfg.autocast_dtype(), ema_decay=cfg.model_ema_decay, config=asdict(cfg),
                          extra={"category_ids": task.category_ids})
         for line in detect.describe_run(cfg, model, task, run):
             s.log(line)
-        finished = run.st.done
-        result = s.fit(run, ck)
+        finished = run.state.done
+        result = s.fit(run, resumed)
         summary = {"status": s.status, "signal": s.stop.signum, "out": str(s.out), "config": asdict(cfg),
-                   "world_size": s.dd.world, "environment": runtime.environment(dev)}
+                   "world_size": s.ranks.world, "environment": runtime.environment(dev)}
         if finished or s.status != "ok":
-            return {**summary, **({"result": result} if finished else {"state": asdict(run.st)}), "model": model}
-        summary |= {"result": result, "state": asdict(run.st), "params": count_params(model),
+            return {**summary, **({"result": result} if finished else {"state": asdict(run.state)}), "model": model}
+        summary |= {"result": result, "state": asdict(run.state), "params": count_params(model),
                     "images_per_s": run.images_per_s()}
-        if s.dd.main:
+        if s.ranks.main:
             summary["final"] = runfolder.read_jsonl(s.out / "metrics.jsonl")[-1]  # the last evaluation
             runfolder.write_text_atomic(s.out / "summary.json", json.dumps(summary, indent=1))
         return {**summary, "model": model}

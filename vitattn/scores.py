@@ -1,8 +1,8 @@
 """Score functions: how a query and a key are compared, which is what tells attention mechanisms apart.
 
 Each is a small module ``(B, heads, Nq, d), (B, heads, Nk, d) -> (B, heads, Nq, Nk)`` that
-:class:`vitattn.MultiHeadAttention` calls where :class:`vitattn.Attention` computes ``q . k /
-sqrt(d)``. ``fused(q)`` gives the query and scale that let the fused kernel (which computes
+:class:`vitattn.MultiHeadAttention` calls to compare queries and keys (``q . k / sqrt(d)`` unless
+``score`` names another). ``fused(q)`` gives the query and scale that let the fused kernel (which computes
 ``q . k * scale``) compute the same score, or ``None`` when no such pair exists.
 
 ============  ===========================  ==========================================

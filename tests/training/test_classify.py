@@ -29,7 +29,7 @@ def test_test_time_augmentation_views_and_weights():
     const = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4))
     with torch.no_grad():
         const[1].weight.zero_()
-    r = evaluate(const, norm, x, y, batch_size=16, dd=Dist(), tta=True)
+    r = evaluate(const, norm, x, y, batch_size=16, ranks=Dist(), tta=True)
     assert r["acc"] == r["acc_tta"] == r["acc_tta_shift"]
     # a model that reads every pixel: the counts match the views written out by hand
     torch.manual_seed(1)

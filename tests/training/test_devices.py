@@ -176,7 +176,7 @@ def test_a_steady_state_step_moves_nothing_between_host_and_device(tmp_path, fol
 
     def counted(run, batch):  # the traffic since the previous step: one loop iteration's
         per_step.append(stand_in.traffic.total() - last["n"])
-        step_of.append((run.st.global_step, run.st.step_in_epoch))
+        step_of.append((run.state.global_step, run.state.step_in_epoch))
         n = train_step(run, batch)
         last["n"] = stand_in.traffic.total()
         return n
@@ -242,9 +242,9 @@ def test_torchrun_ranks_each_take_their_own_gpu_for_nccl_and_ddp(monkeypatch, na
         monkeypatch.setattr(dist, "init_process_group", fake_nccl(bound, rank))
         monkeypatch.setattr(dist, "get_rank", lambda r=rank: r)
         monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-        dd, dev = runtime.place_process(name)
-        runtime.wrap_model(torch.nn.Linear(2, 2), dd, dev)
-        assert (dd.rank, dd.local_rank, dev) == (rank, rank, torch.device("cuda", rank))
+        ranks, dev = runtime.place_process(name)
+        runtime.wrap_model(torch.nn.Linear(2, 2), ranks, dev)
+        assert (ranks.rank, ranks.local_rank, dev) == (rank, rank, torch.device("cuda", rank))
     assert bound == {0: 0, 1: 1} and wrapped == [0, 1]
 
 

@@ -44,7 +44,7 @@ def test_the_loss_is_half_on_the_labels_and_half_on_the_teacher_s_labels():
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     norm = data.Normalize((120.0,) * 3, (60.0,) * 3)
     loader = data.BatchLoader(x, y, 6, shuffle=False, drop_last=True)
-    task = classify.ClassifyTask("vit", loader, norm, x, y, device=torch.device("cpu"), dd=classify.Dist(),
+    task = classify.ClassifyTask("vit", loader, norm, x, y, device=torch.device("cpu"), ranks=classify.Dist(),
                                  label_smoothing=0.1, teacher=teacher)
     loss, hits, n = task.loss(student, (x, y))
     xn = norm(x)

@@ -264,7 +264,7 @@ def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tupl
 
 @torch.no_grad()
 def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
-             device: torch.device | str = "cpu", dd: Dist | None = None, channels_last: bool = False,
+             device: torch.device | str = "cpu", ranks: Dist | None = None, channels_last: bool = False,
              tta: bool = False) -> dict:
     """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
 
@@ -275,11 +275,11 @@ def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor
     Sums stay on ``device`` (what NCCL reduces) and are read once at the end, so a GPU is not
     stalled after every batch.
     """
-    dd = dd or Dist()
+    ranks = ranks or Dist()
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    idx = torch.arange(dd.rank, len(x), dd.world, device=x.device)
+    idx = torch.arange(ranks.rank, len(x), ranks.world, device=x.device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, flip-TTA, 6-view, count
     hits = torch.zeros(len(x), dtype=torch.int32, device=device)
     for j in idx.split(batch_size):
@@ -298,8 +298,8 @@ def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor
             sums[2] += (pair.argmax(1) == yb).sum()
             sums[3] += ((pair + four).argmax(1) == yb).sum()
     model.train(was_training)
-    all_reduce_(sums, dd)
-    all_reduce_(hits, dd)
+    all_reduce_(sums, ranks)
+    all_reduce_(hits, ranks)
     loss, correct, flip, views, count = (sums / sums[4]).tolist()
     out = {"loss": loss, "acc": correct, "hits": hits.bool().cpu()}
     if tta:
@@ -318,12 +318,12 @@ class ClassifyTask:
     counts_hits = True
 
     def __init__(self, family: str, loader: data.BatchLoader, norm: nn.Module, test_x: torch.Tensor,
-                 test_y: torch.Tensor, *, device: torch.device, dd: Dist, label_smoothing: float = 0.0,
+                 test_y: torch.Tensor, *, device: torch.device, ranks: Dist, label_smoothing: float = 0.0,
                  channels_last: bool = False, eval_batch_size: int = 500,
                  tta: bool = True, test_distance: torch.Tensor | None = None,
                  distance_edges: tuple[int, ...] = (), teacher: nn.Module | None = None) -> None:
         self.family, self.loader, self.norm = family, loader, norm
-        self.test_x, self.test_y, self.device, self.dd = test_x, test_y, device, dd
+        self.test_x, self.test_y, self.device, self.ranks = test_x, test_y, device, ranks
         self.label_smoothing, self.channels_last = label_smoothing, channels_last
         self.eval_batch_size, self.tta = eval_batch_size, tta
         self.test_distance, self.distance_edges = test_distance, distance_edges
@@ -352,7 +352,7 @@ class ClassifyTask:
 
     def _evaluate(self, model: nn.Module, tta: bool) -> dict:
         return evaluate(model, self.norm, self.test_x, self.test_y, batch_size=self.eval_batch_size,
-                        device=self.device, dd=self.dd, channels_last=self.channels_last, tta=tta)
+                        device=self.device, ranks=self.ranks, channels_last=self.channels_last, tta=tta)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         ev = self._evaluate(model, False)
@@ -371,35 +371,36 @@ class ClassifyTask:
         return f"test loss {metrics['test_loss']:.4f} acc {metrics['test_acc']:.4f}"
 
 
-def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, dd: Dist,
+def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
                   teacher: nn.Module | None = None) -> ClassifyTask:
     """The task of training ``family`` as ``cfg`` says on ``ds``: this rank's shard of the
     training images in batches of its recipe, augmented as it says."""
     r = cfg.recipe(family)
     augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode)
-    loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // dd.world, shuffle=True,
-                              drop_last=True, augment=augment, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
-    return ClassifyTask(family, loader, ds.norm, ds.data.test_x, ds.data.test_y, device=device, dd=dd,
+    loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // ranks.world, shuffle=True,
+                              drop_last=True, augment=augment, seed=cfg.seed, rank=ranks.rank, world_size=ranks.world)
+    return ClassifyTask(family, loader, ds.norm, ds.data.test_x, ds.data.test_y, device=device, ranks=ranks,
                         label_smoothing=r.label_smoothing,
                         channels_last=family == "cnn" and cfg.channels_last, eval_batch_size=cfg.eval_batch_size,
                         tta=cfg.tta, test_distance=ds.test_distance,
                         distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()), teacher=teacher)
 
 
-def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, dd: Dist,
-              ckpt: Path, ck: dict | None = None, teacher: nn.Module | None = None) -> loop.Run:
+def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
+              checkpoint_path: Path, resumed: dict | None = None, teacher: nn.Module | None = None) -> loop.Run:
     """``loop.start`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
     and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps; with a
     ``teacher``, a distilled model trains its two heads apart."""
     r = cfg.recipe(family)
-    task = classify_task(family, cfg, ds, device, dd, teacher)
+    task = classify_task(family, cfg, ds, device, ranks, teacher)
     if teacher is not None and getattr(model, "dist_token", None) is not None:
         model.set_distilled_training(True)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
-    return loop.start(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), ck=ck, ckpt=ckpt,
+    return loop.start(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), resumed=resumed,
+                      checkpoint_path=checkpoint_path,
                       lr_at=r.lr_at, grad_clip=r.grad_clip,
                       total_steps=math.ceil(epochs * task.steps_per_epoch) if epochs is not None else None,
-                      budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, dd=dd,
+                      budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, ranks=ranks,
                       seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
                       compile=cfg.compile, config=dataclasses.asdict(cfg))
 

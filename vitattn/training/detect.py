@@ -186,13 +186,13 @@ class DetectionTask:
     data_on_clock = False  # reading and decoding image files is not training: off the clock and the budget
 
     def __init__(self, train: Split, val: Split, category_ids: list[int], *, batch_size: int, workers: int,
-                 seed: int, device: torch.device, dd: Dist, max_dets: int = 100) -> None:
+                 seed: int, device: torch.device, ranks: Dist, max_dets: int = 100) -> None:
         self.train, self.val, self.category_ids = train, val, category_ids
         self.batch_size, self.workers, self.seed = batch_size, workers, seed
-        self.device, self.dd, self.max_dets = device, dd, max_dets
-        self.shard = len(train.dataset) // dd.world  # equal shards: the ranks step in lockstep
+        self.device, self.ranks, self.max_dets = device, ranks, max_dets
+        self.shard = len(train.dataset) // ranks.world  # equal shards: the ranks step in lockstep
         if self.shard < 1:
-            raise UsageError(f"{len(train.dataset)} training image(s) cannot be shared by {dd.world} processes")
+            raise UsageError(f"{len(train.dataset)} training image(s) cannot be shared by {ranks.world} processes")
         self.steps_per_epoch = math.ceil(self.shard / batch_size)
         self.last: dict[str, float] | None = None
         self.no_hits = torch.zeros((), device=device)  # what ``loss`` counts: made once, not per step
@@ -207,8 +207,8 @@ class DetectionTask:
     def order(self, epoch: int) -> list[int]:
         """This rank's images of ``epoch``: a fixed permutation per ``(seed, epoch)``, cut to equal shards."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        order = torch.randperm(len(self.train.dataset), generator=g)[: self.shard * self.dd.world]
-        return order[self.dd.rank::self.dd.world].tolist()
+        order = torch.randperm(len(self.train.dataset), generator=g)[: self.shard * self.ranks.world]
+        return order[self.ranks.rank::self.ranks.world].tolist()
 
     def batches(self, epoch: int, start_step: int) -> Iterator[tuple[list, list]]:
         return iter(self._loader(self.train, self.order(epoch)[start_step * self.batch_size:]))
@@ -224,19 +224,19 @@ class DetectionTask:
         was_training = model.training
         model.eval()
         detections = []
-        mine = list(range(self.dd.rank, len(self.val.dataset), self.dd.world))
+        mine = list(range(self.ranks.rank, len(self.val.dataset), self.ranks.world))
         for images, targets in self._loader(self.val, mine):
             outputs = model([im.to(self.device) for im in images])
             for t, o in zip(targets, outputs):
                 detections += coco_results(t["image_id"], {k: v.cpu() for k, v in o.items()}, self.category_ids)
         model.train(was_training)
-        if self.dd.world > 1:
-            every: list = [None] * self.dd.world
+        if self.ranks.world > 1:
+            every: list = [None] * self.ranks.world
             dist.all_gather_object(every, detections)
             detections = [d for part in every for d in part]
-        ap = [coco_eval(self.val.coco, detections, self.val.image_ids, max_dets=self.max_dets) if self.dd.main
+        ap = [coco_eval(self.val.coco, detections, self.val.image_ids, max_dets=self.max_dets) if self.ranks.main
               else None]
-        if self.dd.world > 1:
+        if self.ranks.world > 1:
             dist.broadcast_object_list(ap, src=0)
         self.last = {k: v for k, v in ap[0].items() if k != "per_class"}
         return self.last
@@ -250,19 +250,19 @@ class DetectionTask:
         return f"AP {metrics['map']:.4f} AP50 {metrics['map_50']:.4f}"
 
 
-def detection_task(cfg: Config, device: torch.device, dd: Dist) -> DetectionTask:
+def detection_task(cfg: Config, device: torch.device, ranks: Dist) -> DetectionTask:
     """The folder's splits, loaded and checked whole, as a task; their categories must agree."""
-    if cfg.batch_size % dd.world:
-        raise UsageError(f"--batch-size is the global batch and must split evenly over the {dd.world} processes, "
-                         f"got {cfg.batch_size}; use a multiple of {dd.world}")
+    if cfg.batch_size % ranks.world:
+        raise UsageError(f"--batch-size is the global batch and must split evenly over the {ranks.world} processes, "
+                         f"got {cfg.batch_size}; use a multiple of {ranks.world}")
     train, val = (load_split(cfg.data_dir, split, train=train, limit=cfg.limit_train if train else cfg.limit_val,
                              masks=cfg.detector == "maskrcnn", aug=cfg.aug)
                   for split, train in ((cfg.train_split, True), (cfg.val_split, False)))
     category_ids = [0, *sorted(train.coco.getCatIds())]  # label k -> category_ids[k]; 0 is the background
     if sorted(val.coco.getCatIds()) != category_ids[1:]:
         raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
-    return DetectionTask(train, val, category_ids, batch_size=cfg.batch_size // dd.world, workers=cfg.workers,
-                         seed=cfg.seed, device=device, dd=dd, max_dets=cfg.detections_per_img)
+    return DetectionTask(train, val, category_ids, batch_size=cfg.batch_size // ranks.world, workers=cfg.workers,
+                         seed=cfg.seed, device=device, ranks=ranks, max_dets=cfg.detections_per_img)
 
 
 def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: loop.Run) -> list[str]:
@@ -270,7 +270,7 @@ def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: loop.R
     odd), the precision, and a warning when the CPU has no native bf16."""
     lines = [f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(task.train.image_ids)} "
              f"train / {len(task.val.image_ids)} val images, {len(task.category_ids) - 1} categories; {run.precision} "
-             f"on {run.device}, world size {run.dd.world}"]
+             f"on {run.device}, world size {run.ranks.world}"]
     for name, split in ((cfg.train_split, task.train), (cfg.val_split, task.val)):
         lines.append(f"{name}: " + ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in split.odd.items()))
     if runtime.precision_warning(run.device, cfg.autocast_dtype()):

@@ -91,9 +91,9 @@ class Run:
     grad_clip: float
     total_steps: int | None
     budget_s: float | None  # seconds of training steps
-    ckpt: Path
+    checkpoint_path: Path
     device: torch.device
-    dd: runtime.Dist
+    ranks: runtime.Dist
     scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
     precision: str
     ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
@@ -101,15 +101,15 @@ class Run:
     compiling: bool = False  # the next step compiles the model (first step of a session)
     config: dict | None = None  # the run's options, saved with each checkpoint
     extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
-    st: TrainState = field(default_factory=TrainState)
+    state: TrainState = field(default_factory=TrainState)
     running: torch.Tensor | None = None  # (loss sum, hits) since the loop last read them, on the device
     started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
 
     def progress(self) -> float:
-        return optim.run_progress(self.st.global_step, self.total_steps, self.st.train_seconds, self.budget_s)
+        return optim.run_progress(self.state.global_step, self.total_steps, self.state.train_seconds, self.budget_s)
 
     def images_per_s(self) -> float:
-        return self.st.images_seen * self.dd.world / max(self.st.train_seconds, 1e-9)
+        return self.state.images_seen * self.ranks.world / max(self.state.train_seconds, 1e-9)
 
     def save(self, rng: list[dict], result: dict | None = None) -> None:
         """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
@@ -117,36 +117,38 @@ class Run:
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
         runfolder.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                "state": asdict(self.st), "rng": rng, "family": self.task.family,
-                                "config": self.config, "result": result or {}, **self.extra, **extra}, self.ckpt)
+                                "state": asdict(self.state), "rng": rng, "family": self.task.family,
+                                "config": self.config, "result": result or {}, **self.extra, **extra},
+                               self.checkpoint_path)
 
 
-def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, ck: dict | None,
-          ckpt: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
-          budget_s: float | None, device: torch.device, dd: runtime.Dist, seed: int,
+def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, resumed: dict | None,
+          checkpoint_path: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
+          budget_s: float | None, device: torch.device, ranks: runtime.Dist, seed: int,
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
           config: dict | None = None, extra: dict | None = None) -> Run:
-    """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``ck`` (read and checked by
+    """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``resumed`` (read and checked by
     ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
     forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
     precision is the loop's alone (a detector's fp32 heads are a module of its own,
     ``vitattn.detection.Float32``)."""
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    st = TrainState()
+    state = TrainState()
     restored = False
-    if ck is not None:
-        restored = runfolder.restore(ck, model, opt, scaler, device, dd.rank)
-        st = TrainState(**ck["state"])
-        if ema is not None and not st.done:
-            ema.load_state_dict(ck["ema"])
+    if resumed is not None:
+        restored = runfolder.restore(resumed, model, opt, scaler, device, ranks.rank)
+        state = TrainState(**resumed["state"])
+        if ema is not None and not state.done:
+            ema.load_state_dict(resumed["ema"])
     if not restored:
-        torch.manual_seed(seed + 17 * dd.rank)  # each rank's own dropout / drop-path stream
-    return Run(task=task, model=model, net=runtime.wrap_model(model, dd, device, compile), opt=opt, lr_at=lr_at,
-               grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, ckpt=ckpt, device=device, dd=dd,
+        torch.manual_seed(seed + 17 * ranks.rank)  # each rank's own dropout / drop-path stream
+    return Run(task=task, model=model, net=runtime.wrap_model(model, ranks, device, compile), opt=opt, lr_at=lr_at,
+               grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, checkpoint_path=checkpoint_path,
+               device=device, ranks=ranks,
                scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
                amp_dtype=amp_dtype,
-               compiling=compile, config=config, extra=extra or {}, st=st,
+               compiling=compile, config=config, extra=extra or {}, state=state,
                running=torch.zeros(2, dtype=torch.float64, device=device))
 
 
@@ -168,28 +170,30 @@ def read_running(run: Run, bar) -> None:
     """Move the device's running sums into the train state (waits for a GPU)."""
     loss, correct = run.running.tolist()
     run.running.zero_()
-    st = run.st
-    st.loss_sum += loss
-    st.correct_sum += int(correct)
+    state = run.state
+    state.loss_sum += loss
+    state.correct_sum += int(correct)
     if bar is not None:
-        bar.set_postfix(loss=f"{st.loss_sum / max(st.count, 1):.3f}", acc=f"{st.correct_sum / max(st.count, 1):.3f}",
-                        img_s=f"{st.images_seen / max(st.train_seconds, 1e-9):.0f}")
+        bar.set_postfix(loss=f"{state.loss_sum / max(state.count, 1):.3f}",
+                        acc=f"{state.correct_sum / max(state.count, 1):.3f}",
+                        img_s=f"{state.images_seen / max(state.train_seconds, 1e-9):.0f}")
 
 
 def check_stop(run: Run, stop: runtime.StopFlag, pending_s: float) -> None:
     """Add ``pending_s`` of step time to the run's clock, then raise NonFiniteLoss or Interrupted
     when the loss read so far is not finite or Ctrl-C came. A torchrun's ranks agree first (the
     slowest clock, any NaN, any Ctrl-C), so their clocks, lr schedules and stops stay equal."""
-    st = run.st
-    seconds, nonfinite, stopping = st.train_seconds + pending_s, not math.isfinite(st.loss_sum), stop.set
-    if run.dd.world > 1:
+    state = run.state
+    seconds, nonfinite, stopping = state.train_seconds + pending_s, not math.isfinite(state.loss_sum), stop.set
+    if run.ranks.world > 1:
         flags = torch.tensor([seconds, nonfinite, stopping], dtype=torch.float64, device=run.device)
-        seconds, nonfinite, stopping = runtime.all_reduce_(flags, run.dd, dist.ReduceOp.MAX).tolist()
-    st.train_seconds = seconds
+        seconds, nonfinite, stopping = runtime.all_reduce_(flags, run.ranks, dist.ReduceOp.MAX).tolist()
+    state.train_seconds = seconds
     if nonfinite:  # a NaN on any rank poisons the averaged gradients of all
-        raise NonFiniteLoss(f"[{run.task.family}] loss is {st.loss_sum / max(st.count, 1)} by epoch {st.epoch} step "
-                            f"{st.step_in_epoch}; stopping. The last good checkpoint is kept at "
-                            f"{run.ckpt if run.ckpt.exists() else '(none yet)'}. Lower --lr or set --grad-clip.")
+        kept = run.checkpoint_path if run.checkpoint_path.exists() else "(none yet)"
+        loss = state.loss_sum / max(state.count, 1)
+        raise NonFiniteLoss(f"[{run.task.family}] loss is {loss} by epoch {state.epoch} step {state.step_in_epoch}; "
+                            f"stopping. The last good checkpoint is kept at {kept}. Lower --lr or set --grad-clip.")
     if stopping:  # before the forward pass, which would move BatchNorm statistics
         raise Interrupted
 
@@ -198,14 +202,14 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
     """Steps until the epoch or the budget ends; raises Interrupted at a step boundary on Ctrl-C.
     A single process checks Ctrl-C and the budget at every step (host values only); a torchrun's
     ranks every ``READ_EVERY`` steps, and their clocks move only then."""
-    st, world = run.st, run.dd.world
-    if st.step_in_epoch == 0:
-        st.loss_sum, st.correct_sum, st.count = 0.0, 0, 0
-    batches = run.task.batches(st.epoch, st.step_in_epoch)
+    state, world = run.state, run.ranks.world
+    if state.step_in_epoch == 0:
+        state.loss_sum, state.correct_sum, state.count = 0.0, 0, 0
+    batches = run.task.batches(state.epoch, state.step_in_epoch)
     pending = 0.0  # step seconds not yet on the clock (a torchrun's, until its ranks agree)
-    while st.step_in_epoch < run.task.steps_per_epoch:
+    while state.step_in_epoch < run.task.steps_per_epoch:
         t0 = time.perf_counter()
-        due = st.global_step % READ_EVERY == 0
+        due = state.global_step % READ_EVERY == 0
         if due or (world == 1 and stop.set):
             read_running(run, bar)
         if due or world == 1:
@@ -216,22 +220,22 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
         batch = next(batches)
         t1 = time.perf_counter()
         n = train_step(run, batch)
-        st.global_step += 1
-        st.step_in_epoch += 1
-        st.count += n
+        state.global_step += 1
+        state.step_in_epoch += 1
+        state.count += n
         if run.compiling:  # compiling is not training: reported apart, and the budget is for steps
             run.compiling = False
-            st.compile_seconds += time.perf_counter() - t0
+            state.compile_seconds += time.perf_counter() - t0
         else:
-            st.data_seconds += t1 - t0
-            st.images_seen += n
+            state.data_seconds += t1 - t0
+            state.images_seen += n
             step_s = time.perf_counter() - (t0 if run.task.data_on_clock else t1)
             if world == 1:
-                st.train_seconds += step_s
+                state.train_seconds += step_s
             else:
                 pending += step_s
         if bar is not None:
-            bar.update((round(min(st.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
+            bar.update((round(min(state.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
     t0 = time.perf_counter()
     read_running(run, bar)  # waits for the last steps' GPU work, which the clock must count
     check_stop(run, stop, pending + time.perf_counter() - t0)
@@ -241,16 +245,16 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
     """After an epoch (or the budget): checkpoint, then ``evaluate_epoch``. The checkpoint comes
     first, so an evaluation that fails (a detector's, in pycocotools) cannot cost the epoch; it
     records the evaluation as due (``eval_at``), so a resume from it evaluates before training on."""
-    st, dd = run.st, run.dd
-    ended = st.step_in_epoch >= run.task.steps_per_epoch
-    st.eval_at = round(st.epoch + (1.0 if ended else st.step_in_epoch / run.task.steps_per_epoch), 4)
+    state, ranks = run.state, run.ranks
+    ended = state.step_in_epoch >= run.task.steps_per_epoch
+    state.eval_at = round(state.epoch + (1.0 if ended else state.step_in_epoch / run.task.steps_per_epoch), 4)
     if ended:
-        st.epoch, st.step_in_epoch = st.epoch + 1, 0
-    runtime.average_buffers(run.model, dd)  # each rank's BatchNorm statistics saw only its shard
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+    runtime.average_buffers(run.model, ranks)  # each rank's BatchNorm statistics saw only its shard
     if run.ema is not None:
-        runtime.average_buffers(run.ema.module, dd)
-    rng = runtime.all_rng_states(run.device, dd)  # a collective: every rank's streams go into rank 0's file
-    if dd.main:
+        runtime.average_buffers(run.ema.module, ranks)
+    rng = runtime.all_rng_states(run.device, ranks)  # a collective: every rank's streams go into rank 0's file
+    if ranks.main:
         run.save(rng)
     evaluate_epoch(run, metrics, log)
 
@@ -258,31 +262,32 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
 def evaluate_epoch(run: Run, metrics: Path, log) -> None:
     """The due evaluation: a line of ``metrics``, then a checkpoint with it done (unless the run
     is done: ``finish`` saves then)."""
-    st, task, dd = run.st, run.task, run.dd
+    state, task, ranks = run.state, run.task, run.ranks
     with runtime.autocast(run.device, run.amp_dtype):
         ev = task.evaluate(run.model)
         raw = {}
         if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
             raw = {f"{k}_no_ema": v for k, v in ev.items()}
             ev = task.evaluate(run.ema.module)
-    st.best = max(st.best, ev[task.score])
-    sums = torch.tensor([st.loss_sum, st.correct_sum, st.count], dtype=torch.float64, device=run.device)
-    sums = runtime.all_reduce_(sums, dd).tolist()
-    line = dict(model=task.family, epoch=st.eval_at, step=st.global_step, train_loss=float(sums[0] / max(sums[2], 1)),
+    state.best = max(state.best, ev[task.score])
+    sums = torch.tensor([state.loss_sum, state.correct_sum, state.count], dtype=torch.float64, device=run.device)
+    sums = runtime.all_reduce_(sums, ranks).tolist()
+    line = dict(model=task.family, epoch=state.eval_at, step=state.global_step,
+                train_loss=float(sums[0] / max(sums[2], 1)),
                 train_acc=float(sums[1] / max(sums[2], 1)), **ev, lr=run.lr_at(run.progress()),
-                train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
-                data_share=st.data_seconds / max(st.train_seconds, 1e-9), **raw)
+                train_seconds=state.train_seconds, images_per_s=run.images_per_s(),
+                data_share=state.data_seconds / max(state.train_seconds, 1e-9), **raw)
     if not task.counts_hits:
         del line["train_acc"]
-    st.eval_at, st.done = 0.0, run.progress() >= 1.0
-    if not st.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
-        rng = runtime.all_rng_states(run.device, dd)
-    if dd.main:
+    state.eval_at, state.done = 0.0, run.progress() >= 1.0
+    if not state.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
+        rng = runtime.all_rng_states(run.device, ranks)
+    if ranks.main:
         runfolder.append_jsonl(metrics, line)
         acc = f" acc {line['train_acc']:.4f}" if "train_acc" in line else ""
         log(f"[{task.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f}{acc} | "
-            f"{task.log_line(ev)} | {line['images_per_s']:.0f} img/s, {st.train_seconds:.0f} s")
-        if not st.done:
+            f"{task.log_line(ev)} | {line['images_per_s']:.0f} img/s, {state.train_seconds:.0f} s")
+        if not state.done:
             run.save(rng)
 
 
@@ -290,8 +295,8 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
     """The final evaluation (``task.final``) of the weights the run keeps (the EMA's when it has
     one), saved in the checkpoint with the run's figures and ``info``; returns them."""
     wall_s = time.perf_counter() - run.started
-    st, model, dd, task = run.st, run.model, run.dd, run.task
-    rows = [m for m in runfolder.read_jsonl(metrics) if m["model"] == task.family] if dd.main else []
+    state, model, ranks, task = run.state, run.model, run.ranks, run.task
+    rows = [m for m in runfolder.read_jsonl(metrics) if m["model"] == task.family] if ranks.main else []
     raw = {}
     if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
         if rows:  # the last epoch's line already tested these raw weights
@@ -300,16 +305,16 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
     with runtime.autocast(run.device, run.amp_dtype):
         final = task.final(model)
     name = task.score.removeprefix("test_")  # test_acc: final_acc, best_acc
-    result = dict(family=task.family, params=count_params(model), epochs=rows[-1]["epoch"] if rows else st.epoch,
-                  steps=st.global_step, **final, **{f"best_{name}": max(st.best, final[f"final_{name}"])},
-                  train_seconds=st.train_seconds, images_per_s=run.images_per_s(),
-                  data_share=st.data_seconds / max(st.train_seconds, 1e-9), batch_per_rank=task.batch_size,
-                  world_size=dd.world, precision=run.precision, wall_seconds=wall_s,
-                  compile_seconds=st.compile_seconds, **raw, **(info or {}))
-    if dd.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
-        result["ranks_agree"] = runtime.ranks_agree(model, dd)
-    rng = runtime.all_rng_states(run.device, dd)
-    if dd.main:
+    result = dict(family=task.family, params=count_params(model), epochs=rows[-1]["epoch"] if rows else state.epoch,
+                  steps=state.global_step, **final, **{f"best_{name}": max(state.best, final[f"final_{name}"])},
+                  train_seconds=state.train_seconds, images_per_s=run.images_per_s(),
+                  data_share=state.data_seconds / max(state.train_seconds, 1e-9), batch_per_rank=task.batch_size,
+                  world_size=ranks.world, precision=run.precision, wall_seconds=wall_s,
+                  compile_seconds=state.compile_seconds, **raw, **(info or {}))
+    if ranks.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
+        result["ranks_agree"] = runtime.ranks_agree(model, ranks)
+    rng = runtime.all_rng_states(run.device, ranks)
+    if ranks.main:
         run.save(rng, result)
     return result
 
@@ -319,20 +324,20 @@ def fit(run: Run, metrics: Path, stop: runtime.StopFlag, log, bar=None, info: di
     ``finish``'s result. Raises Interrupted (after saving a checkpoint) or NonFiniteLoss (keeping
     the last one). Lines of ``metrics`` written after the checkpoint it resumes from are dropped,
     and an evaluation that checkpoint left due is done first."""
-    st = run.st
-    if run.dd.main:  # the due evaluation's line, if it was written, is written again below
-        step, family, due = st.global_step, run.task.family, bool(st.eval_at)
+    state = run.state
+    if run.ranks.main:  # the due evaluation's line, if it was written, is written again below
+        step, family, due = state.global_step, run.task.family, bool(state.eval_at)
         runfolder.filter_jsonl(metrics, lambda m: m["model"] != family or m["step"] < step + (not due))
     run.model.train()
     try:
-        if st.eval_at:
+        if state.eval_at:
             evaluate_epoch(run, metrics, log)
         while run.progress() < 1.0:
             train_epoch(run, stop, bar)
             end_epoch(run, metrics, log)
     except Interrupted:  # every rank stops at the same step (check_stop), so all gather
-        rng = runtime.all_rng_states(run.device, run.dd)
-        if run.dd.main:
+        rng = runtime.all_rng_states(run.device, run.ranks)
+        if run.ranks.main:
             run.save(rng)
         raise
     finally:

@@ -35,9 +35,9 @@ class Dist:
         return self.rank == 0
 
 
-def all_reduce_(t: torch.Tensor, dd: Dist, op=None) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, ranks: Dist, op=None) -> torch.Tensor:
     """Sum (or ``op``) ``t`` over ranks in place; a no-op in a single process."""
-    if dd.world > 1:
+    if ranks.world > 1:
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
 
@@ -117,13 +117,13 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
-def all_rng_states(device: torch.device, dd: Dist) -> list[dict[str, torch.Tensor]]:
+def all_rng_states(device: torch.device, ranks: Dist) -> list[dict[str, torch.Tensor]]:
     """Every rank's ``rng_states``, in rank order, on every rank (a collective: all ranks call it),
     so the checkpoint rank 0 writes gives each rank its own dropout stream back."""
     states = rng_states(device)
-    if dd.world == 1:
+    if ranks.world == 1:
         return [states]
-    gathered: list = [None] * dd.world
+    gathered: list = [None] * ranks.world
     dist.all_gather_object(gathered, {k: v.cpu() for k, v in states.items()})
     return gathered
 
@@ -236,31 +236,31 @@ def configure_cuda(tf32: bool = True, benchmark: bool = True) -> None:
     torch.backends.cudnn.benchmark = benchmark
 
 
-def wrap_model(model: nn.Module, dd: Dist, device: torch.device, compile: bool = False) -> nn.Module:
+def wrap_model(model: nn.Module, ranks: Dist, device: torch.device, compile: bool = False) -> nn.Module:
     """The module a training step calls: ``model`` in DistributedDataParallel across a torchrun's
     ranks, then compiled (compiling the DDP module lets its optimiser split graphs at buckets)."""
-    if dd.world > 1:
+    if ranks.world > 1:
         if device.type == "cuda" and device.index is None:
             raise ValueError(f"DDP on CUDA needs the rank's GPU index, got {device} (use pick_device)")
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return torch.compile(model) if compile else model
 
 
-def average_buffers(model: nn.Module, dd: Dist) -> None:
+def average_buffers(model: nn.Module, ranks: Dist) -> None:
     """Average floating buffers (BatchNorm statistics) over ranks, so that every rank evaluates
     and saves one and the same model."""
-    if dd.world == 1:
+    if ranks.world == 1:
         return
     for b in model.buffers():
         if b.is_floating_point():
             dist.all_reduce(b)
-            b /= dd.world
+            b /= ranks.world
 
 
-def ranks_agree(model: nn.Module, dd: Dist) -> bool:
+def ranks_agree(model: nn.Module, ranks: Dist) -> bool:
     """Whether every rank holds the same weights and buffers (a collective): each rank's
     fingerprint, float64 sums of its floating tensors and of their squares, compared by MIN and MAX."""
-    if dd.world == 1:
+    if ranks.world == 1:
         return True
     tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
     low = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).flatten()

@@ -6,9 +6,9 @@ reads and checks each model's checkpoint before anything is written, starts the 
 with Ctrl-C and a NaN loss turned into a status, and closes the process group at the end::
 
     with session.start(config, "train_cifar.py") as s:
-        ck = s.checkpoint("vit", model, UNCHECKED_ON_RESUME)   # None for a new run
-        s.begin()                                              # all checked: write the folder
-        result = s.fit(loop.start(..., ck=ck), ck)             # None when stopped; s.status says why
+        resumed = s.checkpoint("vit", model, UNCHECKED_ON_RESUME)  # None for a new run
+        s.begin()                                                 # all checked: write the folder
+        result = s.fit(loop.start(..., resumed=resumed), resumed)  # None when stopped: s.status says why
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .errors import Interrupted, NonFiniteLoss
 class Session:
     cfg: Any  # the script's options, as the run was started with when resuming
     script: str  # how a user runs the script, for the line that says how to resume
-    dd: runtime.Dist
+    ranks: runtime.Dist
     device: torch.device
     out: Path
     log: Callable[..., None]
@@ -42,32 +42,32 @@ class Session:
         """The checkpoint ``checkpoints/<name>.pt`` read and checked against ``model`` and the
         options (all but ``unchecked``), or ``None`` when there is none yet."""
         path = self.out / "checkpoints" / f"{name}.pt"
-        ck = runfolder.resume_checkpoint(path, model, name, loop.TrainState)
-        if ck is not None:
-            runfolder.check_resumed_config(self.cfg, ck.get("config"), path, unchecked)
-        return ck
+        resumed = runfolder.resume_checkpoint(path, model, name, loop.TrainState)
+        if resumed is not None:
+            runfolder.check_resumed_config(self.cfg, resumed.get("config"), path, unchecked)
+        return resumed
 
     def begin(self) -> None:
         """Everything is checked: write a new run folder and take over Ctrl-C and SIGTERM."""
-        if self.dd.main and not self.cfg.resume:
+        if self.ranks.main and not self.cfg.resume:
             runfolder.start_run_folder(self.out, self.cfg, self.folder)
-        if self.dd.world > 1:
+        if self.ranks.world > 1:
             dist.barrier()
         self.stop = self.folder.enter_context(runtime.StopFlag())
 
-    def fit(self, run: loop.Run, ck: dict | None, info: dict | None = None) -> dict | None:
-        """Train ``run`` (started from its checkpoint ``ck``, if any) to its end and return its
+    def fit(self, run: loop.Run, resumed: dict | None, info: dict | None = None) -> dict | None:
+        """Train ``run`` (started from its checkpoint ``resumed``, if any) to its end and return its
         result; ``None`` when Ctrl-C, SIGTERM or a NaN loss stopped it (``status`` says which; the
         checkpoint is saved or kept)."""
         name = run.task.family
-        if run.st.done:
+        if run.state.done:
             self.log(f"[{name}] already finished in {self.out}; skipping training")
-            return ck["result"]
-        if ck is not None:
-            self.log(f"[{name}] resuming at epoch {run.st.epoch} step {run.st.step_in_epoch} "
-                     f"({run.st.train_seconds:.0f} s)")
-        bar = (cli.progress_bar(name, run.total_steps, run.st.global_step, run.budget_s, run.st.train_seconds)
-               if self.cfg.progress and self.dd.main else None)
+            return resumed["result"]
+        if resumed is not None:
+            self.log(f"[{name}] resuming at epoch {run.state.epoch} step {run.state.step_in_epoch} "
+                     f"({run.state.train_seconds:.0f} s)")
+        bar = (cli.progress_bar(name, run.total_steps, run.state.global_step, run.budget_s, run.state.train_seconds)
+               if self.cfg.progress and self.ranks.main else None)
         try:
             return loop.fit(run, self.out / "metrics.jsonl", self.stop, self.log, bar, info=info)
         except Interrupted:
@@ -86,16 +86,16 @@ def start(config: Any, script: str, prefix: str = "") -> Iterator[Session]:
     when ``--out`` is unset). Bad options, data or folders raise before anything is written."""
     cfg = runfolder.resumed_config(type(config), config.resume, script, progress=config.progress) \
         if config.resume else config
-    dd, device = runtime.place_process(cfg.device)
+    ranks, device = runtime.place_process(cfg.device)
     if device.type == "cuda" and hasattr(cfg, "tf32"):  # a detector's images vary in size: no autotuner there
         runtime.configure_cuda(cfg.tf32, cfg.cudnn_benchmark)
     out = runfolder.run_folder(cfg.out, cfg.resume, prefix=prefix)
-    log = cli.console_log(cfg.progress) if dd.main else (lambda *a, **k: None)
+    log = cli.console_log(cfg.progress) if ranks.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:
         if cfg.resume:
-            folder.enter_context(runfolder.hold(out, dd.main))
+            folder.enter_context(runfolder.hold(out, ranks.main))
         try:
-            yield Session(cfg, script, dd, device, out, log, folder)
+            yield Session(cfg, script, ranks, device, out, log, folder)
         finally:
-            if dd.world > 1 and dist.is_initialized():
+            if ranks.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
