@@ -38,7 +38,7 @@ def main(config: Config) -> dict:
     options, data or run folders raise UsageError / DataError / CheckpointError before anything is
     written."""
     t0 = time.perf_counter()
-    with session.start(config, "train_cifar.py") as s:
+    with session.open_session(config, "train_cifar.py") as s:
         cfg, dev, log = s.cfg, s.device, s.log
         # everything is checked before the run folder is written: data, models, checkpoints, options
         ds = classify.load_dataset(cfg, dev)
@@ -50,7 +50,7 @@ def main(config: Config) -> dict:
             f"{len(ds.data.classes)} classes; device {dev}, world size {s.ranks.world}")
         results, modules = {}, {}
         for fam, model in models.items():
-            run = classify.start_run(fam, model, cfg, ds, dev, s.ranks, s.out / "checkpoints" / f"{fam}.pt",
+            run = classify.build_run(fam, model, cfg, ds, dev, s.ranks, s.out / "checkpoints" / f"{fam}.pt",
                                      resumed[fam], teacher.model if teacher else None)
             pipeline = data.pipeline_speed(run.task.loader, ds.norm) if s.ranks.main and not run.state.done else {}
             for line in [] if run.state.done else classify.describe_run(fam, model, cfg, run, pipeline, teacher):
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def command_line(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal (130 for Ctrl-C,
     143 for SIGTERM) when stopped, with a resumable checkpoint once training has begun."""
-    return cli.run_cli(main, parse_args(argv), "train_cifar.py", (UsageError, DataError, CheckpointError))
+    return cli.exit_status(main, parse_args(argv), "train_cifar.py", (UsageError, DataError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def build(variant: str, size: int):
         last = DIMS["depth"] - 1
         return model, lambda x: model.forward_intermediates(x, indices=[last], norm=True, intermediates_only=True)[0]
     from vitattn import ViT
-    from vitattn.detection import ViTDetBackbone
+    from vitattn.vitdet import ViTDetBackbone
 
     windows = {"window_size": 14} if "window14" in variant else {}  # ViTDet's layout: global in blocks 2, 5, 8, 11
     vit = ViT(img_size=size, num_classes=0, **DIMS, **windows).eval()

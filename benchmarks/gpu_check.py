@@ -219,7 +219,7 @@ def step(args, work: Path, report: dict) -> dict:
         model = classify.build_model("vit", cfg, ds, dev)
         if lib == "timm":
             model = timm_compat.to_timm(model).to(dev)
-        runs[lib] = classify.start_run("vit", model, cfg, ds, dev, runtime.Dist(), work / lib / "vit.pt")
+        runs[lib] = classify.build_run("vit", model, cfg, ds, dev, runtime.Dist(), work / lib / "vit.pt")
     times: dict[str, list[float]] = {lib: [] for lib in runs}
     steps = 2 if args.quick else 20
     for rep in range((2 if args.quick else 5) + 1):  # interleaved; the first round warms up

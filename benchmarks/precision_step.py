@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = classify.Config(**data, model=fam, device=args.device, out=str(out / d), progress=False, **amp)
             ds = classify.load_dataset(cfg, dev)
             model = classify.build_model(fam, cfg, ds, dev)
-            run = classify.start_run(fam, model, cfg, ds, dev, Dist(), out / d / f"{fam}.pt")
+            run = classify.build_run(fam, model, cfg, ds, dev, Dist(), out / d / f"{fam}.pt")
             runs[d] = (run, run.task.batches(0, 0))
         times: dict[str, list[float]] = {d: [] for d in args.dtypes}
         for rep in range(args.repeats + 1):  # the first round warms up

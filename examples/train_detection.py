@@ -29,7 +29,7 @@ def main(config: Config) -> dict:
     """Train and evaluate; returns the summary (``status`` 'ok', 'interrupted' or 'nan') with the
     model under ``'model'``. Bad options, data or run folders raise UsageError / CheckpointError
     before anything is written."""
-    with session.start(config, SCRIPT, prefix="detection-") as s:
+    with session.open_session(config, SCRIPT, prefix="detection-") as s:
         cfg, dev = s.cfg, s.device
         # everything is checked before the run folder is written: the whole folder, the model, the checkpoint
         task = detect.detection_task(cfg, dev, s.ranks)
@@ -37,7 +37,7 @@ def main(config: Config) -> dict:
         resumed = s.checkpoint("detector", model, detect.UNCHECKED_ON_RESUME)
         s.begin()
         opt = optim.create_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-        run = loop.start(task, model, opt, resumed=resumed, checkpoint_path=s.out / "checkpoints" / "detector.pt",
+        run = loop.build_run(task, model, opt, resumed=resumed, checkpoint_path=s.out / "checkpoints" / "detector.pt",
                          budget_s=cfg.time_budget * 60 if cfg.time_budget else None,
                          lr_at=lambda p: optim.get_lr(p, cfg.lr, cfg.warmup, "cosine"), grad_clip=cfg.grad_clip,
                          total_steps=cfg.epochs * task.steps_per_epoch, device=dev, ranks=s.ranks, seed=cfg.seed,
@@ -63,7 +63,7 @@ def command_line(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 a NaN loss, 2 bad options or files, 128 + the signal when stopped."""
     cfg = cli.parse_config(cli.build_parser(Config, __doc__.split("\n\n")[0]), Config, argv,
                            keep_on_resume=("progress",))
-    return cli.run_cli(main, cfg, SCRIPT, (UsageError, CheckpointError, DataError))
+    return cli.exit_status(main, cfg, SCRIPT, (UsageError, CheckpointError, DataError))
 
 
 if __name__ == "__main__":

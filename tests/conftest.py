@@ -112,7 +112,7 @@ def scores(rows: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in SCORE_KEYS) for r in rows]
 
 
-def run_cli(capsys, *argv) -> tuple[int, str]:
+def run_train_cifar(capsys, *argv) -> tuple[int, str]:
     extra = ["--no-progress"] if "--resume" in argv else ["--no-progress", "--no-plots"]
     code = T.command_line([str(a) for a in argv] + extra)
     io = capsys.readouterr()

@@ -307,8 +307,8 @@ def test_images_in_another_dtype_than_the_model_are_named(name, dtype, message):
 
 
 def test_detection_and_attention_maps_want_a_vit():
-    from vitattn.detection import ViTDetBackbone
     from vitattn.training.report import attention_maps
+    from vitattn.vitdet import ViTDetBackbone
 
     cnn = vitattn.create_model("cnn_quick")
     with pytest.raises(TypeError, match="ViTDetBackbone takes a vitattn ViT, got SmallCNN"):

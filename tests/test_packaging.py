@@ -50,17 +50,34 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
 
     code = ("import sys, vitattn\n"
             "print(sorted(m for m in sys.modules if m.startswith('vitattn.')))\n"
-            "vitattn.training, vitattn.detection.ViTDetBackbone\n"
+            "vitattn.training, vitattn.vitdet.ViTDetBackbone\n"
             "from vitattn.training.recipes import RECIPES\n"
             "print('vitattn.training.recipes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     loaded, on_use = out.stdout.splitlines()
-    models = {"attention", "block", "bof", "cnn", "contract", "datasets", "features", "helpers", "init", "patch_embed",
+    models = {"attention", "block", "bof", "cnn", "constants", "contract", "features", "helpers", "init", "patch_embed",
               "pos_embed",
               "registry", "scores", "timm_compat", "vit", "window"}
-    assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, detection
+    assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, vitdet
     assert on_use == "True"
+
+
+@pytest.mark.parametrize("old, new", [("detection", "vitdet"), ("datasets", "constants")])
+def test_names_before_0_2_warn_and_give_the_same_module(old, new):
+    import subprocess
+
+    # a fresh process: the warning fires at the first import only
+    code = (f"import warnings, vitattn.{new} as new\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    import vitattn.{old} as old\n"
+            "print(old is new, [str(x.message) for x in w if x.category is DeprecationWarning])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    same, messages = out.stdout.split(" ", 1)
+    assert same == "True"
+    assert f"vitattn.{old} is now vitattn.{new}" in messages
 
 
 def module_imports() -> dict[str, set[str]]:

@@ -31,7 +31,7 @@ def test_the_copy_decodes_to_cifar10(cifar):
     assert torch.bincount(cifar.test_y).tolist() == [1000] * 10
     # real photographs, not blank or constant decodes: per-channel means (every class) near CIFAR-10's
     mean = cifar.train_x[::10].float().mean(dim=(0, 2, 3)) / 255
-    assert torch.allclose(mean, torch.tensor(vitattn.datasets.CIFAR10_MEAN), atol=0.03), mean
+    assert torch.allclose(mean, torch.tensor(vitattn.constants.CIFAR10_MEAN), atol=0.03), mean
 
 
 def test_cifar_presets_run_on_real_batches(cifar):

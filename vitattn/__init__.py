@@ -8,15 +8,16 @@
 The model API is exported here, and ``import vitattn`` loads the models alone. The rest loads
 when first used, needing only torch (torchvision, pycocotools and matplotlib load when a function
 needs them): ``vitattn.training`` (data, the training loop, checkpoints, the report: its own
-docstring lists its modules), ``vitattn.context`` (how far layers look), ``vitattn.detection``
-(ViTDet backbones for torchvision's detectors, and detection as a training task);
-``vitattn.init`` (JAX's init, the whitening basis) and ``vitattn.datasets`` (CIFAR-10's classes
-and statistics) load with the models.
+docstring lists its modules, detection as a training task among them), ``vitattn.context`` (how
+far layers look), ``vitattn.vitdet`` (ViTDet backbones for torchvision's detectors);
+``vitattn.init`` (JAX's init, the whitening basis) and ``vitattn.constants`` (CIFAR-10's classes
+and statistics) load with the models. The names before 0.2, ``vitattn.detection`` and
+``vitattn.datasets``, still import, with a DeprecationWarning.
 """
 
 import importlib
 
-from . import datasets, init, scores, window
+from . import constants, init, scores, window
 from .attention import SCORES, Attention, AttentionConfig, MultiHeadAttention, window_mask
 from .block import Block, DropPath, LayerScale, Mlp
 from .cnn import CNNConfig, SmallCNN, whitening_filters
@@ -26,13 +27,13 @@ from .registry import PRESETS, create_model, get_config, list_models
 from .timm_compat import from_timm, to_timm, to_timm_state_dict
 from .vit import ViT, ViTConfig
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-_ON_USE = ("context", "detection", "training")
+_ON_USE = ("context", "training", "vitdet", "detection", "datasets")  # the last two: old names
 
 
 def __getattr__(name: str):
-    """``vitattn.training``, ``vitattn.context`` and ``vitattn.detection``, imported on first use."""
+    """``vitattn.training``, ``vitattn.context`` and ``vitattn.vitdet``, imported on first use."""
     if name in _ON_USE:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -44,5 +45,5 @@ __all__ = [
     "apply_rope", "patchify", "rotate_qk", "resample_abs_pos_embed", "rope_2d", "sincos_1d", "sincos_2d", "to_timm",
     "to_timm_state_dict",
     "unpatchify", "whitening_filters", "window_mask",
-    "context", "datasets", "detection", "init", "scores", "training", "window",
+    "constants", "context", "init", "scores", "training", "vitdet", "window",
 ]

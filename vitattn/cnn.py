@@ -31,8 +31,8 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .constants import CIFAR10_MEAN, CIFAR10_STD
 from .contract import TimmModel, resolve_config
-from .datasets import CIFAR10_MEAN, CIFAR10_STD
 from .helpers import check_bool, check_float, check_input_dtype, check_int, feature_take_indices
 from .init import whitening_basis
 

@@ -1,7 +1,11 @@
-"""What the models know of the data they were made for: CIFAR-10's classes and its per-channel
-statistics, read by the presets' ``pretrained_cfg`` (timm's data config) and by the data
-pipeline's normalisation, without the models importing the I/O module."""
+"""The name of :mod:`vitattn.constants` before 0.2 (it was easy to mistake for the data pipeline,
+``vitattn.training.data``). Importing it warns once and gives that very module; removed in 0.3."""
 
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel, of the training images in [0, 1]
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+import sys
+import warnings
+
+from . import constants
+
+warnings.warn("vitattn.datasets is now vitattn.constants (the same module); the old name goes in 0.3",
+              DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = constants

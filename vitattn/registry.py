@@ -14,7 +14,7 @@ from torch import nn
 
 from .bof import BagOfFeaturesConfig, BagOfLocalFeatures
 from .cnn import CNNConfig, SmallCNN
-from .datasets import CIFAR10_MEAN, CIFAR10_STD
+from .constants import CIFAR10_MEAN, CIFAR10_STD
 from .features import FeatureExtractor
 from .vit import ViT, ViTConfig
 

@@ -177,7 +177,7 @@ def test_torch_export_with_a_dynamic_batch_matches_eager(name):
 
 
 def test_vitdet_backbone_checkpoints_its_blocks_with_equal_gradients():
-    from vitattn.detection import ViTDetBackbone
+    from vitattn.vitdet import ViTDetBackbone
 
     def saved_bytes_and_grads(checkpointing: bool) -> tuple[int, dict]:
         torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import vitattn
-from vitattn.datasets import CIFAR10_MEAN
+from vitattn.constants import CIFAR10_MEAN
 
 timm = pytest.importorskip("timm")
 

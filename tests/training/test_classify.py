@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny, write_folder
+from conftest import run_train_cifar, tiny, write_folder
 
 import train_cifar as T
 from vitattn.helpers import flops_per_image
@@ -94,7 +94,7 @@ def test_images_of_another_size_build_the_vit_for_them_or_are_refused_up_front(t
     assert s["status"] == "ok" and s["modules"]["vit"].config.img_size == (16, 16)  # a 4x4 grid of 4-px patches
     odd = write_folder(tmp_path / "s30", n_train=4, n_test=2, size=30)
     out = tmp_path / "b" / "run"
-    code, err = run_cli(capsys, "--data-dir", odd, "--out", out, "--model", "vit", "--epochs", 1)
+    code, err = run_train_cifar(capsys, "--data-dir", odd, "--out", out, "--model", "vit", "--epochs", 1)
     assert code == 2 and "30x30" in err and "4x4 patches" in err and not out.exists()
 
 
@@ -109,5 +109,5 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, 
 
 def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsys):
     out = tmp_path / "run"
-    code, err = run_cli(capsys, "--data-dir", folder, "--out", out, "--model", "cnn", "--batch-size", 64)
+    code, err = run_train_cifar(capsys, "--data-dir", folder, "--out", out, "--model", "cnn", "--batch-size", 64)
     assert code == 2 and "a batch of 64" in err and "36" in err and not out.exists()

@@ -26,7 +26,7 @@ def fake_run(done: bool = False):
 
 
 def test_nothing_is_written_before_begin(tmp_path):
-    with session.start(config(tmp_path), "train_cifar.py") as s:
+    with session.open_session(config(tmp_path), "train_cifar.py") as s:
         assert not (tmp_path / "run").exists() and s.stop is None
         assert s.checkpoint("vit", None, ()) is None  # no checkpoint yet: nothing read, nothing checked
         s.begin()
@@ -42,7 +42,7 @@ def test_a_stop_becomes_a_status_with_the_line_that_resumes(tmp_path, monkeypatc
         raise error
 
     monkeypatch.setattr(loop, "fit", fit)
-    with session.start(config(tmp_path), "train_cifar.py") as s:
+    with session.open_session(config(tmp_path), "train_cifar.py") as s:
         s.begin()
         assert s.fit(fake_run(), None) is None
     out = capsys.readouterr().out
@@ -55,18 +55,18 @@ def test_a_stop_becomes_a_status_with_the_line_that_resumes(tmp_path, monkeypatc
 
 def test_a_finished_run_returns_its_result_untrained(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(loop, "fit", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    with session.start(config(tmp_path), "train_cifar.py") as s:
+    with session.open_session(config(tmp_path), "train_cifar.py") as s:
         s.begin()
         assert s.fit(fake_run(done=True), {"result": {"final_acc": 0.9}}) == {"final_acc": 0.9}
     assert "[vit] already finished" in capsys.readouterr().out and s.status == "ok"
 
 
 def test_a_resumed_session_takes_the_options_it_was_started_with(tmp_path, monkeypatch, capsys):
-    with session.start(config(tmp_path, seed=5), "train_cifar.py") as s:
+    with session.open_session(config(tmp_path, seed=5), "train_cifar.py") as s:
         s.begin()
     monkeypatch.setattr(loop, "fit", lambda *a, **k: {"final_acc": 0.5})
     resumed = config(tmp_path, out=None, resume=str(tmp_path / "run"))
-    with session.start(resumed, "train_cifar.py") as s:
+    with session.open_session(resumed, "train_cifar.py") as s:
         assert s.cfg.seed == 5 and s.cfg.resume == str(tmp_path / "run")
         s.begin()  # a resumed folder is not written again
         assert s.fit(fake_run(), {"result": {}}) == {"final_acc": 0.5}
@@ -75,5 +75,5 @@ def test_a_resumed_session_takes_the_options_it_was_started_with(tmp_path, monke
 
 def test_a_missing_run_folder_is_refused_before_anything(tmp_path):
     with pytest.raises(UsageError, match="no such run folder"):
-        with session.start(config(tmp_path, out=None, resume=str(tmp_path / "nowhere")), "train_cifar.py"):
+        with session.open_session(config(tmp_path, out=None, resume=str(tmp_path / "nowhere")), "train_cifar.py"):
             pytest.fail("the session opened")

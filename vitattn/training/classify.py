@@ -386,9 +386,9 @@ def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, r
                         distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()), teacher=teacher)
 
 
-def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
+def build_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
               checkpoint_path: Path, resumed: dict | None = None, teacher: nn.Module | None = None) -> loop.Run:
-    """``loop.start`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
+    """``loop.build_run`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
     and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps; with a
     ``teacher``, a distilled model trains its two heads apart."""
     r = cfg.recipe(family)
@@ -396,7 +396,7 @@ def start_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: t
     if teacher is not None and getattr(model, "dist_token", None) is not None:
         model.set_distilled_training(True)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
-    return loop.start(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), resumed=resumed,
+    return loop.build_run(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), resumed=resumed,
                       checkpoint_path=checkpoint_path,
                       lr_at=r.lr_at, grad_clip=r.grad_clip,
                       total_steps=math.ceil(epochs * task.steps_per_epoch) if epochs is not None else None,

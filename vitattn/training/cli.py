@@ -2,7 +2,7 @@
 
 Each option is declared once, as a field of the script's config dataclass with its help text
 (:func:`option`); :func:`build_parser` turns the fields into argparse options, ``-c FILE`` reads a
-YAML of defaults (timm's ``train.py`` habit) and :func:`run_cli` maps what can go wrong to one
+YAML of defaults (timm's ``train.py`` habit) and :func:`exit_status` maps what can go wrong to one
 line and an exit status: 2 for bad options, data or run folders (nothing written), 1 for a
 failure mid-run (with the command that resumes it), 128 + the signal when stopped.
 
@@ -235,7 +235,7 @@ def _stop_before_training(signum, frame):
     raise Signalled(signum)
 
 
-def run_cli(main: Callable[[Any], dict], cfg: Any, script: str, expected: tuple[type[Exception], ...]) -> int:
+def exit_status(main: Callable[[Any], dict], cfg: Any, script: str, expected: tuple[type[Exception], ...]) -> int:
     """Run ``main(cfg)`` and return the exit status: 0 done, 1 a NaN loss or a failure mid-run
     (one line with the command that resumes; ``VITATTN_TRACEBACK=1`` shows the trace), 2 an
     ``expected`` error (bad options, data, folders: one line, nothing written), 128 + the signal

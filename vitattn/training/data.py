@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..datasets import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+from ..constants import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
 from .errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import registry
-from ..detection import (
+from ..helpers import count_params
+from ..vitdet import (
     DETECTORS,
     SCALE_FACTORS,
     ViTDetBackbone,
     build_detector,
     fp32_heads,
 )
-from ..helpers import count_params
 from . import loop, runtime
 from .cli import check_fields, option, preset_kwargs
 from .coco import Split, coco_eval, coco_results, collate, load_split

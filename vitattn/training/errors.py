@@ -1,6 +1,6 @@
 """Every error the training half raises, in one place; imports nothing of the package, so every
 module can raise them without an import circle. The scripts map them to exit statuses
-(``cli.run_cli``): UsageError, DataError and CheckpointError to 2 (nothing written), a
+(``cli.exit_status``): UsageError, DataError and CheckpointError to 2 (nothing written), a
 NonFiniteLoss to 1, Interrupted and Signalled to 128 + the signal."""
 
 from __future__ import annotations

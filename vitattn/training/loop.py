@@ -122,7 +122,7 @@ class Run:
                                self.checkpoint_path)
 
 
-def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, resumed: dict | None,
+def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, resumed: dict | None,
           checkpoint_path: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
           budget_s: float | None, device: torch.device, ranks: runtime.Dist, seed: int,
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
@@ -131,7 +131,7 @@ def start(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.Optim
     ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
     forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
     precision is the loop's alone (a detector's fp32 heads are a module of its own,
-    ``vitattn.detection.Float32``)."""
+    ``vitattn.vitdet.Float32``)."""
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainState()

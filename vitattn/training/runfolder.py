@@ -173,7 +173,7 @@ def run_folder(out: str | None, resume: str | None, prefix: str = "") -> Path:
     return folder
 
 
-def start_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> None:
+def create_run_folder(out: Path, config: Any, stack: contextlib.ExitStack) -> None:
     """Create the run folder checked by :func:`run_folder`, hold it for the run's life (its lock,
     entered on ``stack``) and write ``config.json``; called once everything else is checked."""
     try:

@@ -5,10 +5,10 @@ process (device, torchrun rank), picks the run folder (new, or held against a se
 reads and checks each model's checkpoint before anything is written, starts the folder, trains
 with Ctrl-C and a NaN loss turned into a status, and closes the process group at the end::
 
-    with session.start(config, "train_cifar.py") as s:
+    with session.open_session(config, "train_cifar.py") as s:
         resumed = s.checkpoint("vit", model, UNCHECKED_ON_RESUME)  # None for a new run
         s.begin()                                                 # all checked: write the folder
-        result = s.fit(loop.start(..., resumed=resumed), resumed)  # None when stopped: s.status says why
+        result = s.fit(loop.build_run(..., resumed=resumed), resumed)  # None when stopped: s.status says why
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Session:
     def begin(self) -> None:
         """Everything is checked: write a new run folder and take over Ctrl-C and SIGTERM."""
         if self.ranks.main and not self.cfg.resume:
-            runfolder.start_run_folder(self.out, self.cfg, self.folder)
+            runfolder.create_run_folder(self.out, self.cfg, self.folder)
         if self.ranks.world > 1:
             dist.barrier()
         self.stop = self.folder.enter_context(runtime.StopFlag())
@@ -81,7 +81,7 @@ class Session:
 
 
 @contextlib.contextmanager
-def start(config: Any, script: str, prefix: str = "") -> Iterator[Session]:
+def open_session(config: Any, script: str, prefix: str = "") -> Iterator[Session]:
     """The session of one run of ``script`` with ``config`` (a new folder is ``runs/<prefix><time>``
     when ``--out`` is unset). Bad options, data or folders raise before anything is written."""
     cfg = runfolder.resumed_config(type(config), config.resume, script, progress=config.progress) \

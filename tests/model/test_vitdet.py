@@ -10,8 +10,8 @@ import torch
 from coco_oracle import average_precision, coco_map_reference
 
 from vitattn import ViT, resample_abs_pos_embed
-from vitattn.detection import DETECTORS, ViTDetBackbone, build_detector, vitdet_window_blocks
 from vitattn.training.coco import coco_map
+from vitattn.vitdet import DETECTORS, ViTDetBackbone, build_detector, vitdet_window_blocks
 
 
 def tiny_vit(**kw) -> ViT:
@@ -197,7 +197,7 @@ def test_detector_train_step_and_eval(kind):
 def test_under_autocast_the_backbone_computes_in_bf16_and_the_heads_and_boxes_in_fp32(kind):
     """The loop runs the whole forward pass under autocast; fp32_heads (Float32 modules) keeps the
     heads, anchors and boxes in fp32 with every weight under its name, in training and in eval."""
-    from vitattn.detection import Float32, fp32_heads
+    from vitattn.vitdet import Float32, fp32_heads
 
     torch.manual_seed(0)
     plain = small_detector(kind, tiny_vit(depth=2))
