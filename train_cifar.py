@@ -29,7 +29,8 @@ from vitattn.training.recipes import DEFAULT_PRESETS
 
 # where and how a run executes and shows, not what it trains: a resume may move them (another machine)
 UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
-                       "channels_last", "eval_batch_size", "tta", "context_images", "tf32", "cudnn_benchmark")
+                       "channels_last", "eval_batch_size", "tta", "context_images", "tf32", "cudnn_benchmark",
+                       "malloc")
 
 
 def main(config: Config) -> dict:

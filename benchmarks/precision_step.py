@@ -5,8 +5,12 @@ it (same weights, same batches), and their steps are timed interleaved in one pr
 ``repeats`` rounds, each timing ``steps`` steps of every precision in rotating order; medians.
 It also prints whether the CPU multiplies bf16 natively (``avx512_bf16`` / ``amx_bf16`` flags)
 and the rate of one bf16 and one fp32 matrix product, which say most of what autocast can buy.
+``--phases`` then profiles ``steps`` more steps of each precision with ``torch.profiler``: the
+milliseconds per step of each phase the loop names (data, forward, backward, optimizer, ema) and
+the share of the process's CPU time spent in the kernel (page faults: ``--malloc``).
 
     python -m benchmarks.precision_step --data-dir path/to/cifar10 --json results.json
+    python -m benchmarks.precision_step --data-dir path/to/cifar10 --dtypes float32 --phases --malloc system
     python -m benchmarks.precision_step --device cuda --dtypes float32 bfloat16 float16
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from vitattn.training import classify, loop, runtime
 from vitattn.training.runtime import Dist, native_bf16
@@ -37,6 +43,26 @@ def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512)
     return 2 * m * k * n / best / 1e9
 
 
+PHASES = ("data", "forward", "backward", "optimizer", "ema")
+
+
+def phase_profile(run: loop.Run, batches, steps: int) -> dict:
+    """Milliseconds per step of each phase of ``steps`` profiled steps (the rest: what no phase
+    names), and the kernel's share of the process's CPU time over them."""
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("data"):
+                batch = next(batches)
+            loop.train_step(run, batch)
+        run.running.tolist()
+    wall_ms, r1 = (time.perf_counter() - t) * 1e3 / steps, resource.getrusage(resource.RUSAGE_SELF)
+    ms = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key in PHASES}
+    ms["rest"] = wall_ms - sum(ms.values())
+    sys_s = r1.ru_stime - r0.ru_stime
+    return {"ms_per_step": ms, "wall_ms_per_step": wall_ms, "sys_share": sys_s / (sys_s + r1.ru_utime - r0.ru_utime)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default=None, help="CIFAR-10 as train_cifar.py takes it; default: long-range")
@@ -45,13 +71,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    p.add_argument("--phases", action="store_true", help="then profile each precision's phases")
+    p.add_argument("--malloc", default="system", choices=["keep", "system"],
+                   help="glibc's malloc as train_cifar.py's --malloc sets it (here the default is glibc's own)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    kept = args.malloc == "keep" and runtime.keep_freed_memory()
     dev = torch.device(args.device)
     data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
                                                                     long_range_test=64)
     result = {"environment": runtime.environment(dev), "native_bf16": native_bf16(dev),
               "command": " ".join(["python -m benchmarks.precision_step", *sys.argv[1:]]),
+              "malloc": args.malloc, "malloc_kept": kept,
               "gemm_gflops": {d: gemm_gflops(getattr(torch, d), dev) for d in args.dtypes}, "models": {}}
     print(f"native bf16: {result['native_bf16']}; 8192x512 @ 512x512 GFLOP/s: "
           + ", ".join(f"{d} {g:.1f}" for d, g in result["gemm_gflops"].items()), flush=True)
@@ -82,6 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
             rows[d]["vs_fp32"] = rows[d]["img_per_s"] / rows["float32"]["img_per_s"] if "float32" in rows else None
             print(f"{fam} {d}: {rows[d]['img_per_s']:.0f} img/s" + (f" ({rows[d]['vs_fp32']:.2f}x fp32)"
                                                                     if rows[d]["vs_fp32"] else ""), flush=True)
+            if args.phases:
+                rows[d]["phases"] = ph = phase_profile(*runs[d], args.steps)
+                print(f"  phases, ms/step under the profiler (wall {ph['wall_ms_per_step']:.0f}): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in ph["ms_per_step"].items())
+                      + f"; kernel share of CPU time {ph['sys_share']:.1%}", flush=True)
         result["models"][fam] = {"preset": cfg.preset(fam), "batch": batch, "precisions": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

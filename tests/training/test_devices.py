@@ -12,7 +12,11 @@ run has them: decoded images, freshly built models, checkpoints read from disk.
 
 from __future__ import annotations
 
+import platform
+import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -301,3 +305,32 @@ def test_gpu_settings_are_set_and_can_be_turned_off(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
     cfg = T.parse_args(["--no-tf32", "--no-cudnn-benchmark"])
     assert (cfg.tf32, cfg.cudnn_benchmark) == (False, False)
+
+
+def huge_pages_always() -> bool:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.exists() and "[always]" in path.read_text()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc malloc setting")
+@pytest.mark.skipif(huge_pages_always(), reason="counts 4 KiB page faults; huge pages fault 512 pages at once")
+def test_kept_freed_memory_is_not_mapped_and_zeroed_anew_at_each_request():
+    # a 64 MiB buffer asked for and freed ten times, as a training step's activations are: by
+    # default glibc maps it anew each time and the kernel faults in (zeroes) every page again
+    code = ("import resource, sys, torch\n"
+            "from vitattn.training import runtime\n"
+            "kept = runtime.keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
+            "torch.empty(16 << 20).fill_(1)\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "for _ in range(10):\n"
+            "    torch.empty(16 << 20).fill_(1)\n"
+            "print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)")
+    kept, faults = {}, {}
+    for mode in ("keep", "system"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        kept[mode], faults[mode] = out.stdout.split()
+    buffer_pages = (64 << 20) // resource.getpagesize()
+    assert kept == {"keep": "True", "system": "None"}
+    assert int(faults["system"]) > 5 * buffer_pages, faults
+    assert int(faults["keep"]) <= 2 * buffer_pages, faults

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from ..helpers import count_params
 from . import optim, runfolder, runtime
@@ -156,11 +157,13 @@ def train_step(run: Run, batch: Any) -> int:
     """One optimiser step; its loss and hits are added to ``run.running`` on the device, so
     nothing here waits for a GPU. Returns the batch's images."""
     optim.set_lr(run.opt, run.lr_at(run.progress()))
-    with runtime.autocast(run.device, run.amp_dtype):  # the forward pass; the backward runs as it did
+    # the phases are named for torch.profiler (benchmarks.precision_step --phases); free when it is off
+    with record_function("forward"), runtime.autocast(run.device, run.amp_dtype):  # the backward runs as it did
         loss, hits, n = run.task.loss(run.net, batch)
     optim.backward_step(loss, run.opt, run.scaler, run.model.parameters(), run.grad_clip)
     if run.ema is not None:
-        run.ema.update_parameters(run.model)
+        with record_function("ema"):
+            run.ema.update_parameters(run.model)
     # float64 sums of float32 losses are exact, so they do not depend on when they are read
     run.running += torch.stack([loss.detach().double() * n, hits.double()])
     return n

@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
@@ -69,12 +70,14 @@ def backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer | OptimizerChai
     loss scale is taken off them, so the clip sees the true gradients; ``scaler`` disabled is a
     pass-through."""
     opt.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    if grad_clip > 0:
-        scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(params, grad_clip)
-    scaler.step(opt)
-    scaler.update()
+    with record_function("backward"):
+        scaler.scale(loss).backward()
+    with record_function("optimizer"):
+        if grad_clip > 0:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(params, grad_clip)
+        scaler.step(opt)
+        scaler.update()
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,

@@ -4,6 +4,7 @@ states, autocast and native bf16, the distributed helpers, and the run's environ
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import platform
 import signal
@@ -154,10 +155,29 @@ class RunOptions:
     seed: int = option(0, "seed for weights, data order and augmentation")
     progress: bool = option(True, "tqdm progress bar")
     resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+    malloc: str = option("keep", "glibc's malloc: 'keep' freed memory for the next step (no mmap, no trim; "
+                         "faster, the process keeps its peak) or 'system' (glibc's defaults)",
+                         choices=("keep", "system"))
 
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast precision, or None for fp32."""
         return AMP_DTYPES[self.amp_dtype] if self.amp else None
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for the next request: large buffers come from the
+    heap, not from fresh mmaps, and the heap is never trimmed. A training step frees and asks again
+    for the same activation buffers; by default each one is mapped anew, and the kernel zeroes its
+    pages at every step (the figures are in docs/performance.md). Process-wide and for good, so the
+    scripts' sessions call it (``--malloc keep``), never the library. False where the C library is
+    not glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def native_bf16(device: torch.device | str) -> bool:

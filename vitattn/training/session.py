@@ -86,6 +86,8 @@ def open_session(config: Any, script: str, prefix: str = "") -> Iterator[Session
     when ``--out`` is unset). Bad options, data or folders raise before anything is written."""
     cfg = runfolder.resumed_config(type(config), config.resume, script, progress=config.progress) \
         if config.resume else config
+    if cfg.malloc == "keep":
+        runtime.keep_freed_memory()
     ranks, device = runtime.place_process(cfg.device)
     if device.type == "cuda" and hasattr(cfg, "tf32"):  # a detector's images vary in size: no autotuner there
         runtime.configure_cuda(cfg.tf32, cfg.cudnn_benchmark)
