@@ -41,6 +41,18 @@ def test_find_source_accepts_a_folder_holding_the_archive(tmp_path):
     assert D.find_source(tmp_path / "b")[0] == "batches"
 
 
+def test_a_class_balanced_subset_keeps_every_class_in_turn_and_the_order():
+    """``--limit-train`` / ``--limit-test`` on a class-sorted folder: the first N images would hold
+    one or two classes; the subset takes the classes in turn and keeps the images' order."""
+    labels = torch.tensor([0] * 5 + [1] * 3 + [2] * 4)  # sorted by class, as an ImageFolder tree reads
+    keep = D.class_balanced(labels, 7)
+    assert keep.tolist() == sorted(keep.tolist()) and len(set(keep.tolist())) == 7
+    assert torch.bincount(labels[keep]).tolist() == [3, 2, 2]  # two rounds of three, then class 0's third
+    assert D.class_balanced(labels, 12).tolist() == list(range(12))
+    shuffled = labels[torch.randperm(12, generator=torch.Generator().manual_seed(0))]
+    assert torch.bincount(shuffled[D.class_balanced(shuffled, 6)]).tolist() == [2, 2, 2]
+
+
 def test_cache_is_written_beside_the_data_and_reused(tmp_path, monkeypatch):
     src = write_tar(tmp_path / "c.tar.gz")
     first = D.load_cifar(src)

@@ -55,8 +55,8 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
                                         "noise: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
-    limit_train: int | None = option(None, "use only the first N training images")
-    limit_test: int | None = option(None, "use only the first N test images")
+    limit_train: int | None = option(None, "use only N training images, taken from the classes in turn")
+    limit_test: int | None = option(None, "use only N test images, taken from the classes in turn")
     epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
     flip: bool = option(True, "augmentation: random horizontal mirror")
     teacher: str | None = option(None, "a finished train_cifar.py run folder whose CNN the ViT also learns from "
@@ -151,10 +151,12 @@ def load_dataset(cfg: Config, dev: torch.device | None = None) -> Dataset:
     else:
         images = data.load_cifar(cfg.data_dir, download=cfg.download)
     if cfg.limit_train:
-        images.train_x, images.train_y = images.train_x[: cfg.limit_train], images.train_y[: cfg.limit_train]
+        keep = data.class_balanced(images.train_y, cfg.limit_train)
+        images.train_x, images.train_y = images.train_x[keep], images.train_y[keep]
     if cfg.limit_test:
-        images.test_x, images.test_y = images.test_x[: cfg.limit_test], images.test_y[: cfg.limit_test]
-        distance = None if distance is None else distance[: cfg.limit_test]
+        keep = data.class_balanced(images.test_y, cfg.limit_test)
+        images.test_x, images.test_y = images.test_x[keep], images.test_y[keep]
+        distance = None if distance is None else distance[keep]
     if cfg.context_images is not None and cfg.context_images > len(images.test_x):
         raise UsageError(f"--context-images must be at most the {len(images.test_x)} test images, got "
                          f"{cfg.context_images}")

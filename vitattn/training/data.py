@@ -301,6 +301,17 @@ def load_cifar(path: str | os.PathLike = "./data", *, download: bool = False, ca
     return data
 
 
+def class_balanced(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of ``n`` images taken from the classes in turn (the first image of each class, then the
+    second of each, ...), in their original order: a subset of a class-sorted folder keeps every class,
+    where the first ``n`` images would hold only the first classes."""
+    order = torch.argsort(labels, stable=True)
+    counts = torch.bincount(labels)
+    rank = torch.empty_like(order)  # each image's place within its class
+    rank[order] = torch.arange(len(labels)) - (counts.cumsum(0) - counts)[labels[order]]
+    return torch.argsort(rank * len(counts) + labels)[:n].sort().values
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole-batch augmentation and normalisation
 # ---------------------------------------------------------------------------------------------
