@@ -21,9 +21,10 @@ grid and rotary position codes (:func:`vitattn.pos_embed.rotate_qk`) are argumen
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
-kernel is the default wherever it computes the same thing: it was never slower in a whole
+kernel is the default wherever it computes the same thing: in fp32 it was never slower in a whole
 training step and is faster without gradients at every length measured, without an N x N
-matrix (docs/performance.md).
+matrix. In bf16 on a CPU, short sequences take the same three plain ops instead, which run at
+the native bf16 rate where torch's kernels do not (docs/performance.md).
 
 Shapes: tokens ``B N D``; per head ``B heads N d``; weights ``B heads Nq Nk``.
 
@@ -32,14 +33,12 @@ References: Vaswani et al. 2017; timm ``vision_transformer.Attention``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .helpers import Size2, to_2tuple
 from .pos_embed import rotate_qk
@@ -54,23 +53,23 @@ for _leaf in ("rearrange", "rotate_qk", "fused_attention", "check_tokens", "wind
     torch.fx.wrap(_leaf)
 
 
-# Training in bf16 on a CPU, short sequences: the flash kernel's bf16 backward runs at about fp32's
-# speed, while the math kernel's products run at the native bf16 rate; from about 120 keys on, flash
-# is faster again (measured in docs/performance.md). 0 keeps the flash kernel everywhere.
-CPU_BF16_MATH_MAX_KEYS = 100
+# bf16 on a CPU: torch's attention kernels run at about fp32's speed there (flash) or compute in
+# fp32 (math), while three plain ops run their products at the native bf16 rate: they are faster in
+# training up to about 600 keys and in inference up to about 100 (measured in docs/performance.md).
+CPU_BF16_PLAIN_MAX_KEYS = {"train": 600, "infer": 100}
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
                     scale: float) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on the math backend for bf16 training on a CPU over at
-    most ``CPU_BF16_MATH_MAX_KEYS`` keys, on torch's choice otherwise."""
-    if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
-            and k.shape[-2] <= CPU_BF16_MATH_MAX_KEYS):
-        kernel = sdpa_kernel(SDPBackend.MATH)
-    else:
-        kernel = contextlib.nullcontext()
-    with kernel:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    """``softmax(q . k * scale) @ v``: ``F.scaled_dot_product_attention``, or the same three plain
+    ops for bf16 on a CPU over at most ``CPU_BF16_PLAIN_MAX_KEYS`` keys."""
+    limit = CPU_BF16_PLAIN_MAX_KEYS["train" if torch.is_grad_enabled() else "infer"]
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.shape[-2] <= limit:
+        s = (q * scale) @ k.transpose(-2, -1)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return F.dropout(s.softmax(dim=-1), dropout_p) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def check_tokens(x: torch.Tensor, weight: torch.Tensor, name: str = "tokens") -> None:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import vitattn
 from vitattn import SCORES, AttentionConfig, MultiHeadAttention, window_mask
@@ -80,6 +81,34 @@ def test_fused_equals_explicit_outputs_and_grads(score, masked):
     assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
     for (n, p1), (_, p2) in zip(fused.named_parameters(), explicit.named_parameters()):
         assert torch.allclose(p1.grad, p2.grad, atol=1e-5), n
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_bf16_on_a_cpu_takes_the_plain_ops_up_to_the_key_limit_and_equals_the_readable_path(grad, monkeypatch):
+    """bf16 on a CPU: up to ``CPU_BF16_PLAIN_MAX_KEYS`` keys the fused path computes the readable
+    path's three ops (bit for bit, outputs and gradients) without torch's kernel; beyond, the kernel."""
+    from vitattn import attention
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    limit = attention.CPU_BF16_PLAIN_MAX_KEYS["train" if grad else "infer"]
+    torch.manual_seed(0)
+    fused = MultiHeadAttention(16, num_heads=4, qkv_bias=True).to(torch.bfloat16)
+    explicit = MultiHeadAttention(16, num_heads=4, qkv_bias=True, fused=False).to(torch.bfloat16)
+    explicit.load_state_dict(fused.state_dict())
+    with torch.set_grad_enabled(grad):
+        for n, kernel_calls in ((limit, 0), (limit + 1, 1)):
+            calls.clear()
+            x = torch.randn(2, n, 16, dtype=torch.bfloat16)
+            y1, y2 = fused(x), explicit(x)
+            assert len(calls) == kernel_calls, n
+            if not kernel_calls:
+                assert torch.equal(y1, y2)
+                if grad:
+                    g1 = torch.autograd.grad(y1.float().square().sum(), fused.qkv.weight)
+                    g2 = torch.autograd.grad(y2.float().square().sum(), explicit.qkv.weight)
+                    assert torch.equal(g1[0], g2[0])
 
 
 def test_return_attention_shape_rows_and_same_output():
