@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
             r["peak_share"] = r["gflops_per_s"] / peak
     table = markdown(rows, peak)
     print(table)
-    result = dict(env=env, args=vars(args), command=" ".join(sys.argv), matmul_peak_gflops=peaks,
+    command = " ".join(["python -m benchmarks.bench_vit", *sys.argv[1:]])  # runnable from the repository root
+    result = dict(env=env, args=vars(args), command=command, matmul_peak_gflops=peaks,
                   wall_s=time.perf_counter() - t0, cases={n: asdict(CASES[n]) for n in names if n in CASES},
                   rows=rows)
     out = Path(args.out)
