@@ -53,9 +53,10 @@ for _leaf in ("rearrange", "rotate_qk", "fused_attention", "check_tokens", "wind
     torch.fx.wrap(_leaf)
 
 
-# bf16 on a CPU: torch's attention kernels run at about fp32's speed there (flash) or compute in
-# fp32 (math), while three plain ops run their products at the native bf16 rate: they are faster in
-# training up to about 600 keys and in inference up to about 100 (measured in docs/performance.md).
+# bf16 on a CPU: torch's attention kernels are slow there (flash at about fp32's speed; math with
+# fp32-close results and a check of every row for -inf), while three plain ops run their products at
+# the native bf16 rate: faster in training up to about 600 keys and in inference up to about 100
+# (measured in docs/performance.md).
 CPU_BF16_PLAIN_MAX_KEYS = {"train": 600, "infer": 100}
 
 
