@@ -60,16 +60,18 @@ for _leaf in ("rearrange", "rotate_qk", "fused_attention", "check_tokens", "wind
 CPU_BF16_PLAIN_MAX_KEYS = {"train": 600, "infer": 100}
 
 
+def masked_softmax(s: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scores ``(B, heads, Nq, Nk)`` -> weights over the keys, zero where ``mask`` is False."""
+    return (s if mask is None else s.masked_fill(~mask, float("-inf"))).softmax(dim=-1)
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
                     scale: float) -> torch.Tensor:
     """``softmax(q . k * scale) @ v``: ``F.scaled_dot_product_attention``, or the same three plain
     ops for bf16 on a CPU over at most ``CPU_BF16_PLAIN_MAX_KEYS`` keys."""
-    limit = CPU_BF16_PLAIN_MAX_KEYS["train" if torch.is_grad_enabled() else "infer"]
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.shape[-2] <= limit:
-        s = (q * scale) @ k.transpose(-2, -1)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        return F.dropout(s.softmax(dim=-1), dropout_p) @ v
+    if (q.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and k.shape[-2] <= CPU_BF16_PLAIN_MAX_KEYS["train" if torch.is_grad_enabled() else "infer"]):
+        return F.dropout(masked_softmax((q * scale) @ k.transpose(-2, -1), mask), dropout_p) @ v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
@@ -181,11 +183,8 @@ class MultiHeadAttention(nn.Module):
         fused = self.score_fn.fused(q) if self.fused and not need_weights else None
         if fused is not None:  # the same computation in one kernel, without the N x N weights
             return fused_attention(fused[0], k, v, mask, self.attn_drop.p if self.training else 0.0, fused[1]), None
-        s = self.score_fn(q, k)  # the readable path: score, mask, softmax, weighted sum
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        weights = s.softmax(dim=-1)
-        return self.attn_drop(weights) @ v, weights
+        weights = masked_softmax(self.score_fn(q, k), mask)  # the readable path: score, mask, softmax
+        return self.attn_drop(weights) @ v, weights  # and the weighted sum
 
     def join_heads(self, out: torch.Tensor) -> torch.Tensor:
         """``(B, heads, N, d) -> (B, N, out_dim)``: concatenate the heads, project, drop."""
