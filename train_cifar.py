@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 
 import vitattn
-from vitattn.training import classify, cli, data, report, runfolder, runtime, session
+from vitattn.training import classify, cli, data, report, runfolder, runtime, seeds, session
 from vitattn.training.classify import Config
 from vitattn.training.errors import CheckpointError, DataError, UsageError
 from vitattn.training.recipes import DEFAULT_PRESETS
@@ -30,7 +30,7 @@ from vitattn.training.recipes import DEFAULT_PRESETS
 # where and how a run executes and shows, not what it trains: a resume may move them (another machine)
 UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
                        "channels_last", "eval_batch_size", "tta", "context_images", "tf32", "cudnn_benchmark",
-                       "malloc")
+                       "malloc", "seed_batching")
 
 
 def main(config: Config) -> dict:
@@ -41,44 +41,54 @@ def main(config: Config) -> dict:
     t0 = time.perf_counter()
     with session.open_session(config, "train_cifar.py") as s:
         cfg, dev, log = s.cfg, s.device, s.log
+        group = cfg.seed_list()  # several: one copy of each model per seed, trained as one (--seeds)
         # everything is checked before the run folder is written: data, models, checkpoints, options
-        ds = classify.load_dataset(cfg, dev)
-        models = {fam: classify.build_model(fam, cfg, ds, dev, s.ranks.world) for fam in cfg.models()}
-        teacher = classify.load_teacher(cfg, ds, dev) if cfg.teacher else None
+        datasets = classify.load_datasets(cfg, dev)  # one per seed: the long-range task is drawn from it
+        ds = datasets[0]
+        models = {fam: classify.build_models(fam, cfg, datasets, dev, s.ranks.world) for fam in cfg.models()}
+        teachers = classify.load_teachers(cfg, datasets, dev) if cfg.teacher else None
+        classify.check_memory(cfg, models, datasets, dev, s.ranks.world)
         resumed = {fam: s.checkpoint(fam, m, UNCHECKED_ON_RESUME) for fam, m in models.items()}
         s.begin()
         log(f"data: {ds.data.source}: {len(ds.data.train_x)} train / {len(ds.data.test_x)} test images, "
-            f"{len(ds.data.classes)} classes; device {dev}, world size {s.ranks.world}")
+            f"{len(ds.data.classes)} classes; device {dev}, world size {s.ranks.world}"
+            + (f"; seeds {cfg.seeds}" if len(group) > 1 else ""))
         results, modules = {}, {}
         for fam, model in models.items():
-            run = classify.build_run(fam, model, cfg, ds, dev, s.ranks, s.out / "checkpoints" / f"{fam}.pt",
-                                     resumed[fam], teacher.model if teacher else None)
-            pipeline = data.pipeline_speed(run.task.loader, ds.norm) if s.ranks.main and not run.state.done else {}
-            for line in [] if run.state.done else classify.describe_run(fam, model, cfg, run, pipeline, teacher):
+            teacher = None if teachers is None else [t.model for t in teachers] if len(group) > 1 else \
+                teachers[0].model
+            run = classify.build_run(fam, model, cfg, datasets if len(group) > 1 else ds, dev, s.ranks,
+                                     s.out / "checkpoints" / f"{fam}.pt", resumed[fam], teacher)
+            loader = getattr(run.task, "tasks", [run.task])[0].loader
+            pipeline = data.pipeline_speed(loader, ds.norm) if s.ranks.main and not run.state.done else {}
+            for line in [] if run.state.done else classify.describe_run(fam, model, cfg, run, pipeline,
+                                                                         teachers[0] if teachers else None):
                 log(line)
             results[fam] = s.fit(run, resumed[fam], info=dict(
                 preset=cfg.preset(fam), flops_per_image=model.flops, recipe=asdict(cfg.recipe(fam)), pipeline=pipeline,
-                **({"teacher": teacher.info} if teacher else {})))
+                **({"teacher": teachers[0].info} if teachers else {})))
             if results[fam] is None:  # stopped: Ctrl-C, SIGTERM or a NaN loss
                 del results[fam]
                 break
+            modules[fam] = seeds.members(model)
             if s.ranks.main:  # written anew when already finished: a crash may have cut the first copy short
-                runfolder.save_safetensors(model, s.out / "checkpoints" / f"{fam}.safetensors")
-            modules[fam] = model
+                for k, m in zip(group, modules[fam]):
+                    runfolder.save_safetensors(m, s.out / classify.weights_file(fam, k if len(group) > 1 else None))
         summary = {"status": s.status, "signal": s.stop.signum, "dataset": cfg.dataset, "data_source": ds.data.source,
                    "classes": list(ds.data.classes), "world_size": s.ranks.world, "models": results,
                    "config": asdict(cfg), "environment": runtime.environment(dev), "out": str(s.out)}
         if s.status == "ok" and s.ranks.main:
             summary["train_seconds_total"] = sum(r["train_seconds"] for r in results.values())
             summary["wall_seconds_total"] = time.perf_counter() - t0  # data, training, evaluation
-            pick = classify.context_sample(cfg.seed, cfg.context_images, len(ds.data.test_x)).to(ds.data.test_x.device)
-            report.write_outputs(s.out, summary, modules, ds.data.test_x[pick], ds.data.test_y[pick], ds.data.classes,
-                                 ds.norm, cfg.plots)
+            samples = []  # each seed's fixed test images for the global-context measures
+            for k, d in zip(group, datasets):
+                pick = classify.context_sample(k, cfg.context_images, len(d.data.test_x)).to(d.data.test_x.device)
+                samples.append(report.Sample(d.data.test_x[pick], d.data.test_y[pick], d.norm))
+            report.write_outputs(s.out, summary, modules, samples, ds.data.classes, cfg.plots)
             log(f"wrote {s.out / 'report.md'}")
             for fam, r in results.items():
-                log(f"[{fam}] final test accuracy {r['final_acc']:.4f} (best {r['best_acc']:.4f}), "
-                    f"{r['epochs']:.2f} epochs in {r['train_seconds'] / 60:.1f} min, {r['images_per_s']:.0f} img/s")
-        return {**summary, "modules": modules}
+                log(report.final_line(fam, r))
+        return {**summary, "modules": {fam: ms[0] if len(ms) == 1 else ms for fam, ms in modules.items()}}
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -92,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if first.list_models is not None:
         print(vitattn.registry.describe_models(first.list_models, DEFAULT_PRESETS))
         p.exit(0)
+    given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)}
+    if {"--seed", "--seeds"} <= given:  # a --seed equal to the default is not seen in the config
+        p.error("--seed and --seeds together: give one of them (--seed N is --seeds N)")
     return cli.parse_config(p, Config, argv, keep_on_resume=("progress",))
 
 

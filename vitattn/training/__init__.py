@@ -5,6 +5,7 @@ built from, one concept per module, each importing only those listed before it.
     cli          options declared once as dataclass fields; argparse, YAML defaults, exit statuses
     runtime      devices, processes (torchrun), precision, stop signals, random states
     runfolder    the run folder: created, locked, resumed; files and checkpoints that survive a crash
+    seeds        several seeds of a model as one (SeedStack), per-seed clipping, the spread over seeds
     optim        optimisers by name (AdamW, SGD, Muon), parameter groups, the lr schedule, the EMA
     data         CIFAR-style images as uint8 tensors, batches augmented on the device
     longrange    the generated long-range task

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +23,13 @@ from torch import nn
 
 from .. import registry
 from ..helpers import count_params, flops_per_image, to_2tuple
-from . import cli, data, loop, optim, runtime
+from . import cli, data, loop, optim, runtime, seeds
 from .cli import option
 from .errors import UsageError
 from .longrange import ATTRIBUTES, BACKGROUNDS, DISTANCE_EDGES, accuracy_by_distance, long_range_data
 from .recipes import DATASET_RECIPES, DEFAULT_PRESETS, RECIPES, Recipe
 from .runtime import Dist, all_reduce_
+from .seeds import MODES as SEED_MODES
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -63,6 +64,14 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
                                  "(DeiT's hard distillation: the CNN labels each augmented batch as the ViT sees it; "
                                  "the ViT gets a distillation token unless --vit-kwargs sets \"distilled\": false); "
                                  "needs --model vit")
+    seeds: str | None = option(None, "several seeds trained at once in one process, one copy of each model per "
+                               "seed: '0,1,2,3', '0-7' or '0-3,8'; seed k trains as --seed k would (its weights, data "
+                               "order and augmentation), and the summary gives each figure's mean, std, min and max "
+                               "over the seeds; --seed N is --seeds N")
+    seed_batching: str = option("auto", "how a group of seeds runs its forward passes: 'loop' (each seed in turn; "
+                                "the faster on a CPU, measured), 'vmap' (all seeds in one call of each layer, "
+                                "torch.func.vmap, for a GPU) or 'auto' (vmap on CUDA, loop elsewhere)",
+                                choices=("auto", *SEED_MODES))
     bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
     compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
     tf32: bool = option(True, "CUDA: TF32 matrix products and convolutions in fp32 runs (timm's default); "
@@ -89,8 +98,14 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
             if self.amp and self.amp_dtype != "bfloat16":
                 raise UsageError(f"--bf16 means --amp --amp-dtype bfloat16, got --amp-dtype {self.amp_dtype} with it")
             self.amp, self.amp_dtype = True, "bfloat16"
-        if self.seed >= 2**32:
+        if self.seed >= seeds.MAX_SEED:
             raise UsageError(f"--seed must be below 2**32, got {self.seed}")
+        if self.seeds is not None:  # one canonical form: several seeds, or a single --seed
+            group = seeds.parse_seeds(self.seeds)
+            if self.seed not in (0, group[0]):
+                raise UsageError(f"--seed {self.seed} and --seeds {self.seeds} together: give one of them (--seed N "
+                                 "is --seeds N)")
+            self.seed, self.seeds = group[0], seeds.seeds_label(group) if len(group) > 1 else None
         self.vit_preset = self.vit_preset or DEFAULT_PRESETS[self.dataset]["vit"]
         self.cnn_preset = self.cnn_preset or DEFAULT_PRESETS[self.dataset]["cnn"]
         for slot, families in (("vit", ("vit",)), ("cnn", ("cnn", "bof"))):  # the CNN slot takes its control too
@@ -114,6 +129,18 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
         return cli.preset_kwargs(f"--{family}-kwargs", getattr(self, f"{family}_kwargs"), self.preset(family),
                                  refuse=("img_size", "num_classes", "in_chans"),
                                  why="come from the data (its image size, classes and channels)")
+
+    def seed_list(self) -> tuple[int, ...]:
+        """The seeds this run trains, in order."""
+        return seeds.parse_seeds(self.seeds) if self.seeds else (self.seed,)
+
+    def for_seed(self, seed: int) -> Config:
+        """This config as the solo run of ``seed`` (what a group trains as its seed ``seed``)."""
+        return dataclasses.replace(self, seed=seed, seeds=None)
+
+    def batching(self, device: torch.device) -> str:
+        """How a group of seeds runs (``seed_batching``, with 'auto' resolved for ``device``)."""
+        return self.seed_batching if self.seed_batching != "auto" else "vmap" if device.type == "cuda" else "loop"
 
     def models(self) -> list[str]:
         return ["vit", "cnn"] if self.model == "both" else [self.model]
@@ -196,6 +223,62 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     return model
 
 
+def load_datasets(cfg: Config, dev: torch.device | None = None) -> list[Dataset]:
+    """One dataset per seed of ``cfg.seed_list()``: CIFAR-10's is one and the same for all; the
+    long-range task is generated from each seed, as its solo run generates it."""
+    if cfg.dataset != "long-range":
+        return [load_dataset(cfg, dev)] * len(cfg.seed_list())
+    return [load_dataset(cfg.for_seed(k), dev) for k in cfg.seed_list()]
+
+
+def build_models(family: str, cfg: Config, datasets: Sequence[Dataset], dev: torch.device, world: int = 1
+                 ) -> nn.Module:
+    """``build_model`` for each seed of ``cfg``, on its dataset: the model itself for one seed, a
+    ``seeds.SeedStack`` of them for several (``cfg.batching``)."""
+    group = cfg.seed_list()
+    models = [build_model(family, cfg.for_seed(k), ds, dev, world) for k, ds in zip(group, datasets)]
+    if len(models) == 1:
+        return models[0]
+    stack = seeds.SeedStack(models, group, cfg.batching(dev))
+    stack.flops = models[0].flops
+    return stack
+
+
+MEMORY_MARGIN = 1.5  # peak memory over what autograd saves plus the tensors kept: temporaries of the backward
+
+
+def check_memory(cfg: Config, models: dict[str, nn.Module], datasets: Sequence[Dataset], dev: torch.device,
+                 world: int = 1) -> None:
+    """Refuse (UsageError), before anything is written or trained, a group of seeds whose step
+    would not fit in ``dev``'s free memory: per seed, the activations autograd keeps for a batch
+    (measured on two images, ``seeds.saved_bytes``) and the weights with their gradient, optimiser
+    state and EMA, times ``MEMORY_MARGIN``."""
+    group = cfg.seed_list()
+    if len(group) == 1:
+        return
+    free = seeds.free_bytes(dev)
+    for family, model in models.items():
+        r, one = cfg.recipe(family), model.unstack(0)  # a copy: the probe's BatchNorm statistics are thrown away
+        task = classify_task(family, cfg.for_seed(group[0]), datasets[0], dev, Dist())
+        x = task.inputs(datasets[0].data.train_x[:2].to(dev))
+        with runtime.autocast(dev, cfg.autocast_dtype()):
+            activations = seeds.saved_bytes(one, x) / 2 * (r.batch_size // world)
+        tensors = sum(t.numel() * t.element_size() for t in one.state_dict().values())
+        per_seed = MEMORY_MARGIN * (activations + tensors * (4 + (r.model_ema_decay > 0)))
+        if per_seed * len(group) > free:
+            gib = 2**30
+            raise UsageError(f"--seeds {cfg.seeds}: {len(group)} seeds of the {family} need about "
+                             f"{per_seed * len(group) / gib:.1f} GiB ({per_seed / gib:.2f} GiB each: activations of "
+                             f"{r.batch_size // world} images and the weights with their gradients and optimiser "
+                             f"state), more than the {free / gib:.1f} GiB free on {dev}; train at most "
+                             f"{max(int(free // per_seed), 1)} seeds at a time")
+
+
+def one_model(model: nn.Module) -> nn.Module:
+    """A model of what ``model`` trains: itself, or for a stack of seeds its tensorless template."""
+    return model.template if isinstance(model, seeds.SeedStack) else model
+
+
 @dataclass
 class Teacher:
     """A trained CNN that labels the ViT's batches (:class:`ClassifyTask`), and where it came from."""
@@ -204,9 +287,16 @@ class Teacher:
     info: dict[str, Any]  # its run folder, preset, accuracy and training time, for the summary
 
 
+def weights_file(family: str, seed: int | None = None) -> str:
+    """Where a run folder keeps a model's final weights: ``checkpoints/<family>.safetensors``, or
+    one file per seed, ``checkpoints/<family>_seed<k>.safetensors``, in a run of several seeds."""
+    return f"checkpoints/{family}.safetensors" if seed is None else f"checkpoints/{family}_seed{seed}.safetensors"
+
+
 def load_teacher(cfg: Config, ds: Dataset, dev: torch.device) -> Teacher:
     """The CNN of the finished run folder ``cfg.teacher``, frozen, in eval mode, on ``dev``; refused
-    (UsageError) unless that run trained a CNN to the end on the same dataset and classes."""
+    (UsageError) unless that run trained a CNN to the end on the same dataset and classes. From a
+    run of several seeds, the CNN of ``cfg.seed`` (which it must have trained)."""
     run = Path(cfg.teacher)
     what = f"--teacher {cfg.teacher}"
     try:
@@ -221,7 +311,13 @@ def load_teacher(cfg: Config, ds: Dataset, dev: torch.device) -> Teacher:
     if summary.get("dataset") != cfg.dataset or list(summary.get("classes", [])) != list(ds.data.classes):
         raise UsageError(f"{what}: its CNN learned {summary.get('dataset')!r} with classes {summary.get('classes')}; "
                          f"this run is {cfg.dataset!r} with {list(ds.data.classes)}")
-    weights = run / "checkpoints" / "cnn.safetensors"
+    group = result.get("seeds") if isinstance(result, dict) else None
+    if group:
+        if cfg.seed not in group:
+            raise UsageError(f"{what}: its CNNs are of seeds {seeds.seeds_label(group)}; seed {cfg.seed} needs its "
+                             "own teacher: train the ViT on those seeds, or the CNN on this one")
+        result = result["per_seed"][group.index(cfg.seed)]
+    weights = run / weights_file("cnn", cfg.seed if group else None)
     if not weights.is_file():
         raise UsageError(f"{what}: no {weights.relative_to(run)} there; the run did not finish its CNN")
     from safetensors.torch import load_file
@@ -240,6 +336,11 @@ def load_teacher(cfg: Config, ds: Dataset, dev: torch.device) -> Teacher:
                 train_seconds=result.get("train_seconds"),
                 hardware=summary.get("environment", {}).get("gpu") or summary.get("environment", {}).get("cpu"))
     return Teacher(model, info)
+
+
+def load_teachers(cfg: Config, datasets: Sequence[Dataset], dev: torch.device) -> list[Teacher]:
+    """``load_teacher`` for each seed of ``cfg``: each ViT learns from the CNN its solo run would."""
+    return [load_teacher(cfg.for_seed(k), ds, dev) for k, ds in zip(cfg.seed_list(), datasets)]
 
 
 def context_sample(seed: int, n: int | None, num_test: int) -> torch.Tensor:
@@ -335,12 +436,13 @@ class ClassifyTask:
     def batches(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.loader.epoch(epoch, start_step)
 
-    def loss(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        xb, yb = batch
+    def inputs(self, xb: torch.Tensor) -> torch.Tensor:
+        """A batch of uint8 images as the model takes them: normalised, in its memory layout."""
         x = self.norm(xb)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        logits = net(x)  # under the loop's autocast with --amp
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    def loss_of(self, logits, x: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the hits of a batch's logits (a pair from a distilled model in training)."""
         if self.teacher is None:
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
         else:  # DeiT's hard distillation: half the loss on the labels, half on the teacher's
@@ -350,7 +452,12 @@ class ClassifyTask:
             loss = (F.cross_entropy(logits.float(), yb, label_smoothing=self.label_smoothing)
                     + F.cross_entropy(dist.float(), taught)) / 2
             logits = (logits + dist) / 2
-        return loss, (logits.argmax(1) == yb).sum(), len(yb)
+        return loss, (logits.argmax(1) == yb).sum()
+
+    def loss(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        xb, yb = batch
+        x = self.inputs(xb)
+        return *self.loss_of(net(x), x, yb), len(yb)  # net runs under the loop's autocast with --amp
 
     def _evaluate(self, model: nn.Module, tta: bool) -> dict:
         return evaluate(model, self.norm, self.test_x, self.test_y, batch_size=self.eval_batch_size,
@@ -373,6 +480,33 @@ class ClassifyTask:
         return f"test loss {metrics['test_loss']:.4f} acc {metrics['test_acc']:.4f}"
 
 
+class GroupTask:
+    """Several seeds' classification as one task of ``loop``, for a ``seeds.SeedStack``: each step
+    takes every seed's own batch (``tasks[s]``, the task of its solo run), runs them through the
+    stack at once and returns one loss and hit count per seed; the loop evaluates seed ``s`` with
+    ``tasks[s]``."""
+
+    score, data_on_clock, counts_hits = ClassifyTask.score, ClassifyTask.data_on_clock, ClassifyTask.counts_hits
+
+    def __init__(self, tasks: Sequence[ClassifyTask]) -> None:
+        self.tasks = list(tasks)
+        self.family = self.tasks[0].family
+        self.steps_per_epoch, self.batch_size = self.tasks[0].steps_per_epoch, self.tasks[0].batch_size
+
+    def batches(self, epoch: int, start_step: int) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+        return zip(*(t.batches(epoch, start_step) for t in self.tasks))
+
+    def loss(self, net: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        xs = [t.inputs(xb) for t, (xb, _) in zip(self.tasks, batch)]
+        out = net(xs)  # (S, B, classes), or a pair of them
+        per_seed = zip(*(o.unbind(0) for o in out)) if isinstance(out, tuple) else out.unbind(0)
+        parts = [t.loss_of(o, x, yb) for t, o, x, (_, yb) in zip(self.tasks, per_seed, xs, batch)]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), len(batch[0][1])
+
+    def log_line(self, metrics: dict[str, float]) -> str:
+        return self.tasks[0].log_line(metrics)
+
+
 def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
                   teacher: nn.Module | None = None) -> ClassifyTask:
     """The task of training ``family`` as ``cfg`` says on ``ds``: this rank's shard of the
@@ -388,23 +522,35 @@ def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, r
                         distance_edges=DISTANCE_EDGES.get(cfg.long_range_task, ()), teacher=teacher)
 
 
-def build_run(family: str, model: nn.Module, cfg: Config, ds: Dataset, device: torch.device, ranks: Dist,
-              checkpoint_path: Path, resumed: dict | None = None, teacher: nn.Module | None = None) -> loop.Run:
+def build_run(family: str, model: nn.Module, cfg: Config, ds: Dataset | Sequence[Dataset], device: torch.device,
+              ranks: Dist, checkpoint_path: Path, resumed: dict | None = None,
+              teacher: nn.Module | Sequence[nn.Module] | None = None) -> loop.Run:
     """``loop.build_run`` for ``family`` as ``cfg`` says: its recipe's optimiser, schedule, clipping
     and EMA, for ``cfg.epochs`` (or the recipe's) or ``cfg.time_budget`` minutes of steps; with a
-    ``teacher``, a distilled model trains its two heads apart."""
+    ``teacher``, a distilled model trains its two heads apart. For a ``seeds.SeedStack`` ``model``,
+    ``ds`` and ``teacher`` hold one per seed (``load_datasets``, ``load_teachers``) and the run
+    trains every seed on one clock with one optimiser over the stacked weights."""
     r = cfg.recipe(family)
-    task = classify_task(family, cfg, ds, device, ranks, teacher)
-    if teacher is not None and getattr(model, "dist_token", None) is not None:
-        model.set_distilled_training(True)
+    group = cfg.seed_list()
+    if isinstance(model, seeds.SeedStack):
+        teachers = teacher if teacher is not None else [None] * len(group)
+        task = GroupTask([classify_task(family, cfg.for_seed(k), d, device, ranks, t)
+                          for k, d, t in zip(group, ds, teachers)])
+        steps = task.tasks[0].steps_per_epoch
+    else:
+        task = classify_task(family, cfg, ds, device, ranks, teacher)
+        steps = task.steps_per_epoch
+    if teacher is not None and getattr(one_model(model), "dist_token", None) is not None:
+        for m in (model.template, model.runner) if isinstance(model, seeds.SeedStack) else (model,):
+            m.set_distilled_training(True)
     epochs = cfg.epochs if cfg.epochs is not None else (None if cfg.time_budget else r.epochs)
-    return loop.build_run(task, model, optim.create_optimizer(model, **r.optimizer_kwargs()), resumed=resumed,
-                      checkpoint_path=checkpoint_path,
-                      lr_at=r.lr_at, grad_clip=r.grad_clip,
-                      total_steps=math.ceil(epochs * task.steps_per_epoch) if epochs is not None else None,
-                      budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, ranks=ranks,
-                      seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
-                      compile=cfg.compile, config=dataclasses.asdict(cfg))
+    stepped = model.module if isinstance(model, seeds.SeedStack) else model
+    opt = optim.create_optimizer(stepped, **r.optimizer_kwargs(), lead=seeds.lead_dims(model))
+    return loop.build_run(task, model, opt, resumed=resumed, checkpoint_path=checkpoint_path, lr_at=r.lr_at,
+                          grad_clip=r.grad_clip, total_steps=math.ceil(epochs * steps) if epochs is not None else None,
+                          budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, ranks=ranks,
+                          seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
+                          compile=cfg.compile, config=dataclasses.asdict(cfg), seeds_=group)
 
 
 def describe_run(family: str, model: nn.Module, cfg: Config, run: loop.Run, pipeline: dict,
@@ -412,8 +558,9 @@ def describe_run(family: str, model: nn.Module, cfg: Config, run: loop.Run, pipe
     """The lines a run opens with: the model, its recipe and precision, the batch pipeline's
     speed alone, a precision warning, the teacher."""
     r = cfg.recipe(family)
-    lines = [f"[{family}] {cfg.preset(family)}: {count_params(model) / 1e6:.3f} M params, {model.flops / 1e6:.1f} "
-             f"MFLOP/img; {r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} "
+    group = f" x {len(cfg.seed_list())} seeds ({cfg.seeds}, {cfg.batching(run.device)})" if cfg.seeds else ""
+    lines = [f"[{family}] {cfg.preset(family)}{group}: {count_params(one_model(model)) / 1e6:.3f} M params, "
+             f"{model.flops / 1e6:.1f} MFLOP/img; {r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} "
              f"({run.task.steps_per_epoch} steps/epoch); {run.precision} on {run.device}; pipeline alone "
              f"{pipeline.get('augmented_images_per_s', 0):.0f} img/s"]
     if runtime.precision_warning(run.device, cfg.autocast_dtype()):

@@ -2,9 +2,13 @@
 model is evaluated; the loop does the rest the same way for all of them.
 
     task.batches(epoch, start_step)  -> this rank's batches of an epoch, from a step on (resume)
-    task.loss(net, batch)            -> (loss, hits, images) of one batch, on the device
+    task.loss(net, batch)            -> (loss, hits, images) of one batch, on the device (per seed)
     task.evaluate(model)             -> the metrics of an epoch's end   {"test_loss": .., "test_acc": ..}
     task.final(model)                -> the metrics of the end of the run, with the kept weights
+
+A task may train several seeds at once (``classify.GroupTask`` over a ``seeds.SeedStack``): its
+loss is then one per seed, ``task.tasks[s]`` evaluates seed ``s``'s model, and every figure the loop
+keeps, logs and returns is kept per seed; one optimiser steps them all, on one clock.
 
 The loop steps the optimiser on the schedule (by steps or by a time budget, whichever is further
 along), keeps an EMA of the weights, evaluates and checkpoints after each epoch and on Ctrl-C
@@ -31,8 +35,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..helpers import count_params
-from . import optim, runfolder, runtime
+from . import optim, runfolder, runtime, seeds
 from .errors import Interrupted, NonFiniteLoss
+
+PER_SEED = ("loss_sum", "correct_sum", "best")  # TrainState's figures kept per seed
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
 # torchrun's ranks agree on the clock, Ctrl-C and a NaN there, so they stop at the same step.
@@ -72,10 +78,10 @@ class TrainState:
     images_seen: int = 0  # on this rank
     data_seconds: float = 0.0  # time making batches
     compile_seconds: float = 0.0  # compiling: each session's first step, kept off the clock and the budget
-    loss_sum: float = 0.0  # over this epoch's steps so far
-    correct_sum: int = 0
-    count: int = 0
-    best: float = 0.0  # the best ``task.score`` at an epoch's end
+    loss_sum: list[float] = field(default_factory=lambda: [0.0])  # per seed, over this epoch's steps so far
+    correct_sum: list[int] = field(default_factory=lambda: [0])  # per seed
+    count: int = 0  # images per seed this epoch
+    best: list[float] = field(default_factory=lambda: [0.0])  # per seed, the best ``task.score`` at an epoch's end
     eval_at: float = 0.0  # the epoch mark of an evaluation due (checkpointed before it), else 0
     done: bool = False
 
@@ -102,15 +108,21 @@ class Run:
     compiling: bool = False  # the next step compiles the model (first step of a session)
     config: dict | None = None  # the run's options, saved with each checkpoint
     extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
+    seeds: tuple[int, ...] = (0,)  # the seeds it trains (several: a SeedStack, one copy each)
     state: TrainState = field(default_factory=TrainState)
-    running: torch.Tensor | None = None  # (loss sum, hits) since the loop last read them, on the device
+    running: torch.Tensor | None = None  # (loss sum, hits) per seed since the loop last read them, on the device
     started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
 
     def progress(self) -> float:
         return optim.run_progress(self.state.global_step, self.total_steps, self.state.train_seconds, self.budget_s)
 
     def images_per_s(self) -> float:
-        return self.state.images_seen * self.ranks.world / max(self.state.train_seconds, 1e-9)
+        """Images per second of training, all seeds together."""
+        return self.state.images_seen * self.ranks.world * len(self.seeds) / max(self.state.train_seconds, 1e-9)
+
+    def per_seed(self) -> list[tuple[int, int, Task]]:
+        """``(index, seed, task)`` for each seed the run trains; a group's task has one task per seed."""
+        return [(i, s, t) for i, (s, t) in enumerate(zip(self.seeds, getattr(self.task, "tasks", [self.task])))]
 
     def save(self, rng: list[dict], result: dict | None = None) -> None:
         """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
@@ -127,30 +139,33 @@ def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.O
           checkpoint_path: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
           budget_s: float | None, device: torch.device, ranks: runtime.Dist, seed: int,
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
-          config: dict | None = None, extra: dict | None = None) -> Run:
+          config: dict | None = None, extra: dict | None = None, seeds_: tuple[int, ...] | None = None) -> Run:
     """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``resumed`` (read and checked by
     ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
     forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
     precision is the loop's alone (a detector's fp32 heads are a module of its own,
-    ``vitattn.vitdet.Float32``)."""
+    ``vitattn.vitdet.Float32``). ``seeds_``: the seeds of a ``seeds.SeedStack`` ``model`` (default:
+    ``(seed,)``); a group's random streams start from its first."""
+    group = seeds_ or (seed,)
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    state = TrainState()
+    state = TrainState(loss_sum=[0.0] * len(group), correct_sum=[0] * len(group), best=[0.0] * len(group))
     restored = False
     if resumed is not None:
         restored = runfolder.restore(resumed, model, opt, scaler, device, ranks.rank)
-        state = TrainState(**resumed["state"])
+        state = TrainState(**{k: [v] if k in PER_SEED and not isinstance(v, list) else v  # a solo run of 0.2
+                              for k, v in resumed["state"].items()})
         if ema is not None and not state.done:
             ema.load_state_dict(resumed["ema"])
     if not restored:
-        torch.manual_seed(seed + 17 * ranks.rank)  # each rank's own dropout / drop-path stream
+        torch.manual_seed(group[0] + 17 * ranks.rank)  # each rank's own dropout / drop-path stream
     return Run(task=task, model=model, net=runtime.wrap_model(model, ranks, device, compile), opt=opt, lr_at=lr_at,
                grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, checkpoint_path=checkpoint_path,
                device=device, ranks=ranks,
                scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
                amp_dtype=amp_dtype,
-               compiling=compile, config=config, extra=extra or {}, state=state,
-               running=torch.zeros(2, dtype=torch.float64, device=device))
+               compiling=compile, config=config, extra=extra or {}, state=state, seeds=tuple(group),
+               running=torch.zeros(2, len(group), dtype=torch.float64, device=device))
 
 
 def train_step(run: Run, batch: Any) -> int:
@@ -160,7 +175,9 @@ def train_step(run: Run, batch: Any) -> int:
     # the phases are named for torch.profiler (benchmarks.precision_step --phases); free when it is off
     with record_function("forward"), runtime.autocast(run.device, run.amp_dtype):  # the backward runs as it did
         loss, hits, n = run.task.loss(run.net, batch)
-    optim.backward_step(loss, run.opt, run.scaler, run.model.parameters(), run.grad_clip)
+    loss, hits = loss.reshape(-1), hits.reshape(-1)  # one per seed: the seeds' gradients are apart in their sum
+    optim.backward_step(loss.sum(), run.opt, run.scaler, run.model.parameters(), run.grad_clip,
+                        seeds.lead_dims(run.model))
     if run.ema is not None:
         with record_function("ema"):
             run.ema.update_parameters(run.model)
@@ -174,12 +191,12 @@ def read_running(run: Run, bar) -> None:
     loss, correct = run.running.tolist()
     run.running.zero_()
     state = run.state
-    state.loss_sum += loss
-    state.correct_sum += int(correct)
-    if bar is not None:
-        bar.set_postfix(loss=f"{state.loss_sum / max(state.count, 1):.3f}",
-                        acc=f"{state.correct_sum / max(state.count, 1):.3f}",
-                        img_s=f"{state.images_seen / max(state.train_seconds, 1e-9):.0f}")
+    state.loss_sum = [a + b for a, b in zip(state.loss_sum, loss)]
+    state.correct_sum = [a + int(b) for a, b in zip(state.correct_sum, correct)]
+    if bar is not None:  # the seeds' mean
+        n = max(state.count, 1) * len(run.seeds)
+        bar.set_postfix(loss=f"{sum(state.loss_sum) / n:.3f}", acc=f"{sum(state.correct_sum) / n:.3f}",
+                        img_s=f"{run.images_per_s():.0f}")
 
 
 def check_stop(run: Run, stop: runtime.StopFlag, pending_s: float) -> None:
@@ -187,16 +204,20 @@ def check_stop(run: Run, stop: runtime.StopFlag, pending_s: float) -> None:
     when the loss read so far is not finite or Ctrl-C came. A torchrun's ranks agree first (the
     slowest clock, any NaN, any Ctrl-C), so their clocks, lr schedules and stops stay equal."""
     state = run.state
-    seconds, nonfinite, stopping = state.train_seconds + pending_s, not math.isfinite(state.loss_sum), stop.set
+    bad = [s for s, loss in zip(run.seeds, state.loss_sum) if not math.isfinite(loss)]
+    seconds, nonfinite, stopping = state.train_seconds + pending_s, bool(bad), stop.set
     if run.ranks.world > 1:
         flags = torch.tensor([seconds, nonfinite, stopping], dtype=torch.float64, device=run.device)
         seconds, nonfinite, stopping = runtime.all_reduce_(flags, run.ranks, dist.ReduceOp.MAX).tolist()
     state.train_seconds = seconds
     if nonfinite:  # a NaN on any rank poisons the averaged gradients of all
         kept = run.checkpoint_path if run.checkpoint_path.exists() else "(none yet)"
-        loss = state.loss_sum / max(state.count, 1)
-        raise NonFiniteLoss(f"[{run.task.family}] loss is {loss} by epoch {state.epoch} step {state.step_in_epoch}; "
-                            f"stopping. The last good checkpoint is kept at {kept}. Lower --lr or set --grad-clip.")
+        i = run.seeds.index(bad[0]) if bad else 0
+        loss = state.loss_sum[i] / max(state.count, 1)
+        which = f" (seed {bad[0]}; the group stops with it)" if len(run.seeds) > 1 else ""
+        raise NonFiniteLoss(f"[{run.task.family}] loss is {loss} by epoch {state.epoch} step {state.step_in_epoch}"
+                            f"{which}; stopping. The last good checkpoint is kept at {kept}. Lower --lr or set "
+                            "--grad-clip.")
     if stopping:  # before the forward pass, which would move BatchNorm statistics
         raise Interrupted
 
@@ -207,7 +228,7 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
     ranks every ``READ_EVERY`` steps, and their clocks move only then."""
     state, world = run.state, run.ranks.world
     if state.step_in_epoch == 0:
-        state.loss_sum, state.correct_sum, state.count = 0.0, 0, 0
+        state.loss_sum, state.correct_sum, state.count = [0.0] * len(run.seeds), [0] * len(run.seeds), 0
     batches = run.task.batches(state.epoch, state.step_in_epoch)
     pending = 0.0  # step seconds not yet on the clock (a torchrun's, until its ranks agree)
     while state.step_in_epoch < run.task.steps_per_epoch:
@@ -263,57 +284,87 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
 
 
 def evaluate_epoch(run: Run, metrics: Path, log) -> None:
-    """The due evaluation: a line of ``metrics``, then a checkpoint with it done (unless the run
-    is done: ``finish`` saves then)."""
+    """The due evaluation: a line of ``metrics`` per seed, then a checkpoint with it done (unless
+    the run is done: ``finish`` saves then)."""
     state, task, ranks = run.state, run.task, run.ranks
-    with runtime.autocast(run.device, run.amp_dtype):
-        ev = task.evaluate(run.model)
-        raw = {}
-        if run.ema is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
-            raw = {f"{k}_no_ema": v for k, v in ev.items()}
-            ev = task.evaluate(run.ema.module)
-    state.best = max(state.best, ev[task.score])
-    sums = torch.tensor([state.loss_sum, state.correct_sum, state.count], dtype=torch.float64, device=run.device)
+    models = seeds.members(run.model)
+    averaged = seeds.members(run.ema.module) if run.ema is not None else None
+    sums = torch.tensor([state.loss_sum, state.correct_sum, [state.count] * len(run.seeds)], dtype=torch.float64,
+                        device=run.device)
     sums = runtime.all_reduce_(sums, ranks).tolist()
-    line = dict(model=task.family, epoch=state.eval_at, step=state.global_step,
-                train_loss=float(sums[0] / max(sums[2], 1)),
-                train_acc=float(sums[1] / max(sums[2], 1)), **ev, lr=run.lr_at(run.progress()),
-                train_seconds=state.train_seconds, images_per_s=run.images_per_s(),
-                data_share=state.data_seconds / max(state.train_seconds, 1e-9), **raw)
-    if not task.counts_hits:
-        del line["train_acc"]
+    lines, evs = [], []
+    with runtime.autocast(run.device, run.amp_dtype):
+        for i, seed, t in run.per_seed():
+            ev = t.evaluate(models[i])
+            raw = {}
+            if averaged is not None:  # the metrics are the kept model's, the EMA; the raw weights' are logged beside
+                raw = {f"{k}_no_ema": v for k, v in ev.items()}
+                ev = t.evaluate(averaged[i])
+            state.best[i] = max(state.best[i], ev[task.score])
+            line = dict(model=task.family, seed=seed, epoch=state.eval_at, step=state.global_step,
+                        train_loss=float(sums[0][i] / max(sums[2][i], 1)),
+                        train_acc=float(sums[1][i] / max(sums[2][i], 1)), **ev, lr=run.lr_at(run.progress()),
+                        train_seconds=state.train_seconds, images_per_s=run.images_per_s(),
+                        data_share=state.data_seconds / max(state.train_seconds, 1e-9), **raw)
+            if not task.counts_hits:
+                del line["train_acc"]
+            lines.append(line)
+            evs.append(ev)
     state.eval_at, state.done = 0.0, run.progress() >= 1.0
     if not state.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
         rng = runtime.all_rng_states(run.device, ranks)
     if ranks.main:
-        runfolder.append_jsonl(metrics, line)
-        acc = f" acc {line['train_acc']:.4f}" if "train_acc" in line else ""
-        log(f"[{task.family}] epoch {line['epoch']:.2f}: train loss {line['train_loss']:.4f}{acc} | "
-            f"{task.log_line(ev)} | {line['images_per_s']:.0f} img/s, {state.train_seconds:.0f} s")
+        for line in lines:
+            runfolder.append_jsonl(metrics, line)
+        log(epoch_line(run, lines, evs))
         if not state.done:
             run.save(rng)
 
 
+def epoch_line(run: Run, lines: list[dict], evs: list[dict]) -> str:
+    """The console's line for an epoch: its figures, or over several seeds their mean and spread."""
+    head, task = f"[{run.task.family}] epoch {lines[0]['epoch']:.2f}: ", run.task
+    speed = f" | {lines[0]['images_per_s']:.0f} img/s, {run.state.train_seconds:.0f} s"
+    if len(lines) == 1:
+        line = lines[0]
+        acc = f" acc {line['train_acc']:.4f}" if "train_acc" in line else ""
+        return f"{head}train loss {line['train_loss']:.4f}{acc} | {task.log_line(evs[0])}{speed}"
+    loss = seeds.spread([m["train_loss"] for m in lines])
+    score = seeds.spread([m[task.score] for m in lines])
+    each = " ".join(f"{m[task.score]:.4f}" for m in lines)
+    return (f"{head}train loss {loss['mean']:.4f} | {task.score} {score['mean']:.4f} +- {score['std']:.4f} over "
+            f"{len(lines)} seeds ({each}){speed}")
+
+
 def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
     """The final evaluation (``task.final``) of the weights the run keeps (the EMA's when it has
-    one), saved in the checkpoint with the run's figures and ``info``; returns them."""
+    one), saved in the checkpoint with the run's figures and ``info``; returns them: for several
+    seeds, each seed's (``per_seed``), their means and their spread (``seeds.summarize``)."""
     wall_s = time.perf_counter() - run.started
     state, model, ranks, task = run.state, run.model, run.ranks, run.task
     rows = [m for m in runfolder.read_jsonl(metrics) if m["model"] == task.family] if ranks.main else []
-    raw = {}
     if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
-        if rows:  # the last epoch's line already tested these raw weights
-            raw = {f"final_{k.removeprefix('test_')}": v for k, v in rows[-1].items() if k.endswith("_no_ema")}
         model.load_state_dict(run.ema.module.state_dict())
-    with runtime.autocast(run.device, run.amp_dtype):
-        final = task.final(model)
-    name = task.score.removeprefix("test_")  # test_acc: final_acc, best_acc
-    result = dict(family=task.family, params=count_params(model), epochs=rows[-1]["epoch"] if rows else state.epoch,
-                  steps=state.global_step, **final, **{f"best_{name}": max(state.best, final[f"final_{name}"])},
-                  train_seconds=state.train_seconds, images_per_s=run.images_per_s(),
-                  data_share=state.data_seconds / max(state.train_seconds, 1e-9), batch_per_rank=task.batch_size,
-                  world_size=ranks.world, precision=run.precision, wall_seconds=wall_s,
-                  compile_seconds=state.compile_seconds, **raw, **(info or {}))
+    models, name, results = seeds.members(model), task.score.removeprefix("test_"), []  # test_acc: final_acc
+    for i, seed, t in run.per_seed():
+        own = [m for m in rows if m.get("seed", seed) == seed]
+        # the last epoch's line already tested the raw weights
+        raw = {f"final_{k.removeprefix('test_')}": v for k, v in own[-1].items() if k.endswith("_no_ema")} \
+            if own and run.ema is not None else {}
+        with runtime.autocast(run.device, run.amp_dtype):
+            final = t.final(models[i])
+        results.append(dict(
+            family=task.family, seed=seed, params=count_params(models[i]),
+            epochs=own[-1]["epoch"] if own else state.epoch, steps=state.global_step, **final,
+            **{f"best_{name}": max(state.best[i], final[f"final_{name}"])}, train_seconds=state.train_seconds,
+            images_per_s=run.images_per_s() / len(run.seeds),
+            data_share=state.data_seconds / max(state.train_seconds, 1e-9), batch_per_rank=task.batch_size,
+            world_size=ranks.world, precision=run.precision, wall_seconds=wall_s,
+            compile_seconds=state.compile_seconds, **raw, **(info or {})))
+    result = results[0]
+    if len(results) > 1:  # the group's figures: the seeds' means, the machine's rate for all of them
+        result = {**seeds.summarize(results, run.seeds), "images_per_s": run.images_per_s(),
+                  "images_per_s_per_seed": run.images_per_s() / len(run.seeds)}
     if ranks.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
         result["ranks_agree"] = runtime.ranks_agree(model, ranks)
     rng = runtime.all_rng_states(run.device, ranks)

@@ -17,20 +17,23 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .seeds import clip_grad_norm_
+
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float = 1.0) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float = 1.0, lead: int = 0) -> list[dict]:
     """Decay matrices and kernels; leave biases, norm scales, tokens and position tables alone.
 
     Each group carries timm's ``lr_scale``: the loop sets a group's lr to the scheduled lr times it,
     so ``no_decay_lr_scale`` speeds up the biases alone (airbench trains BatchNorm shifts 64x faster).
+    ``lead``: axes before each parameter's own shape (1 for the stacked seeds of ``seeds.SeedStack``).
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token"))
+        skip = p.ndim - lead <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token"))
         (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
             {"params": no_decay, "weight_decay": 0.0, "lr_scale": no_decay_lr_scale}]
@@ -65,17 +68,17 @@ def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None
 
 
 def backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer | OptimizerChain, scaler: torch.amp.GradScaler,
-                  params, grad_clip: float = 0.0) -> None:
+                  params, grad_clip: float = 0.0, lead: int = 0) -> None:
     """Backward and one optimiser step: gradients clipped to ``grad_clip`` (0 = off) after fp16's
-    loss scale is taken off them, so the clip sees the true gradients; ``scaler`` disabled is a
-    pass-through."""
+    loss scale is taken off them, so the clip sees the true gradients (each seed's alone with
+    ``lead=1``: ``seeds.clip_grad_norm_``); ``scaler`` disabled is a pass-through."""
     opt.zero_grad(set_to_none=True)
     with record_function("backward"):
         scaler.scale(loss).backward()
     with record_function("optimizer"):
         if grad_clip > 0:
             scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(params, grad_clip)
+            clip_grad_norm_(params, grad_clip, lead)
         scaler.step(opt)
         scaler.update()
 
@@ -84,7 +87,9 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
                   dtype: torch.dtype) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration, run in ``dtype``: pushes the singular values of
     ``g`` towards 1 (to roughly 0.5-1.5), keeping its singular vectors (Jordan et al. 2024).
-    ``g`` is one matrix ``(m, n)`` or a stack of them ``(k, m, n)``, each orthogonalised alone."""
+    ``g`` is one matrix ``(m, n)`` or a stack of them ``(..., m, n)``, each orthogonalised alone."""
+    if g.ndim > 3:
+        return orthogonalize(g.flatten(0, -3), coefficients, steps, eps, dtype).view(g.shape)
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:  # iterate on the wide side: the Gram matrix is the smaller one
@@ -99,8 +104,9 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 
 def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """``torch.optim.Muon``'s per-matrix lr factor; ``'match_rms_adamw'`` gives updates AdamW's RMS."""
-    fan_out, fan_in = shape[:2]
+    """``torch.optim.Muon``'s per-matrix lr factor (of the last two axes: a stack's matrices are
+    each one); ``'match_rms_adamw'`` gives updates AdamW's RMS."""
+    fan_out, fan_in = shape[-2:]
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, fan_out / fan_in))
     if adjust_lr_fn == "match_rms_adamw":
@@ -117,7 +123,8 @@ class Muon(torch.optim.Optimizer):
     torch runs the iteration in bfloat16, which is fast on GPUs and on CPUs with native bf16 matrix
     products and many times slower than fp32 on CPUs without them (docs/training.md).
     ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with ``torch.bfloat16`` the steps
-    equal torch's bit for bit (tests/training/test_optim.py). Our own class rather than a subclass of
+    equal torch's bit for bit (tests/training/test_optim.py). A weight of ``(S, m, n)`` (seeds
+    stacked, ``seeds.SeedStack``) is S matrices, each orthogonalised alone. Our own class rather than a subclass of
     ``torch.optim.Muon``, so that the package imports on torch releases older than Muon (2.9).
     """
 
@@ -136,8 +143,8 @@ class Muon(torch.optim.Optimizer):
                                       adjust_lr_fn=adjust_lr_fn))
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon steps 2-D weights only, got one of shape {tuple(p.shape)}")
+                if p.ndim < 2:
+                    raise ValueError(f"Muon steps matrices (or stacks of them), got a weight of shape {tuple(p.shape)}")
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
@@ -201,31 +208,34 @@ class OptimizerChain:
             o.load_state_dict(sd)
 
 
-def is_muon_param(name: str, p: torch.Tensor) -> bool:
+def is_muon_param(name: str, p: torch.Tensor, lead: int = 0) -> bool:
     """Muon orthogonalises matrix updates: the blocks' linear weights. Embeddings, the patch
     projection, norms, biases and the head keep AdamW (Jordan et al. 2024)."""
-    return p.ndim == 2 and name.startswith("blocks.")
+    return p.ndim - lead == 2 and name.startswith("blocks.")
 
 
 def create_optimizer(model: nn.Module, opt: str, lr: float, weight_decay: float, momentum: float = 0.9,
-                     beta2: float = 0.999, bias_lr_scale: float = 1.0) -> torch.optim.Optimizer | OptimizerChain:
+                     beta2: float = 0.999, bias_lr_scale: float = 1.0, lead: int = 0
+                     ) -> torch.optim.Optimizer | OptimizerChain:
     """An optimiser by name, as timm's ``create_optimizer_v2``: ``'adamw'`` (betas ``(momentum,
     beta2)``), Nesterov ``'sgd'``, or ``'muon'``: ``Muon`` (``torch.optim.Muon``, Nesterov momentum
     0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
     and AdamW on the rest. Biases, norms and position tables get no weight decay and
-    ``bias_lr_scale`` times the lr (:func:`param_groups`)."""
+    ``bias_lr_scale`` times the lr (:func:`param_groups`). ``lead=1`` takes each parameter of
+    ``model`` as a stack of seeds (``seeds.SeedStack``'s ``module``): every rule reads the shape
+    after the first axis."""
     if opt not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {opt!r}")
     # CUDA: one fused kernel for all parameters (and a GradScaler that need not read found_inf on the
     # host); the CPU keeps the foreach path our measurements and exact-resume tests were made on
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    groups = param_groups(model, weight_decay, bias_lr_scale)
+    groups = param_groups(model, weight_decay, bias_lr_scale, lead)
     if opt == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, **fused)
     if opt == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(momentum, beta2), **fused)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in named if is_muon_param(n, p)]
+    matrices = [p for n, p in named if is_muon_param(n, p, lead)]
     if not matrices:
         raise ValueError(f"optimizer 'muon' needs 2-D weights in blocks.*; {type(model).__name__} has none")
     muon = Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,19 @@ from ..context import (
     rollout_map,
 )
 from .runfolder import read_jsonl, write_text_atomic
+from .seeds import regroup
 
 NAMES = {"vit": "ViT", "cnn": "CNN"}
 Figure = tuple[str, str]  # (file name, caption)
+
+
+class Sample(NamedTuple):
+    """A seed's fixed test images for the measures: uint8 ``(B, 3, H, W)``, labels, and the
+    normalisation its models were trained with."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    norm: nn.Module
 
 
 @torch.no_grad()
@@ -97,13 +107,18 @@ def plot_curves(out: Path, metrics: list[dict], families) -> Figure:
     """Loss and test accuracy per epoch, and test accuracy against training minutes
     (time to accuracy), both models on one figure."""
     fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
-    for fam in families:
-        rows = [m for m in metrics if m["model"] == fam]
-        ep = [m["epoch"] for m in rows]
-        ax[0].plot(ep, [m["train_loss"] for m in rows], "o-", label=f"{NAMES[fam]} train")
-        ax[0].plot(ep, [m["test_loss"] for m in rows], "s--", label=f"{NAMES[fam]} test")
-        ax[1].plot(ep, [m["test_acc"] for m in rows], "o-", label=NAMES[fam])
-        ax[2].plot([m["train_seconds"] / 60 for m in rows], [m["test_acc"] for m in rows], "o-", label=NAMES[fam])
+    for c, fam in enumerate(families):
+        seeds_ = list(dict.fromkeys(m.get("seed") for m in metrics if m["model"] == fam))
+        for i, seed in enumerate(seeds_):  # a line per seed, labelled once
+            rows = [m for m in metrics if m["model"] == fam and m.get("seed") == seed]
+            ep, style = [m["epoch"] for m in rows], dict(color=f"C{c}", alpha=1.0 if len(seeds_) == 1 else 0.6)
+            name = NAMES[fam] + (f" ({len(seeds_)} seeds)" if len(seeds_) > 1 else "")
+            first = i == 0
+            ax[0].plot(ep, [m["train_loss"] for m in rows], "o-", label=f"{name} train" if first else None, **style)
+            ax[0].plot(ep, [m["test_loss"] for m in rows], "s--", label=f"{name} test" if first else None, **style)
+            ax[1].plot(ep, [m["test_acc"] for m in rows], "o-", label=name if first else None, **style)
+            ax[2].plot([m["train_seconds"] / 60 for m in rows], [m["test_acc"] for m in rows], "o-",
+                       label=name if first else None, **style)
     ax[0].set(xlabel="epoch", ylabel="loss", title="loss")
     ax[1].set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch")
     ax[2].set(xlabel="training minutes", ylabel="test accuracy", title="time to accuracy")
@@ -225,17 +240,30 @@ def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, im
 # ---------------------------------------------------------------------------------------------
 
 
+def _row(name: str, r: dict, fmt) -> str:
+    tta = (f" (flip-TTA {fmt(r, 'final_acc_tta')}, 6-view TTA {fmt(r, 'final_acc_tta_shift')})"
+           if "final_acc_tta" in r else "")
+    if "final_acc_no_ema" in r:  # the run kept an EMA of its weights; the raw weights' figure beside it
+        tta += f" (EMA; raw weights {fmt(r, 'final_acc_no_ema')})"
+    return (f"| {name} | {r['preset']} | {r['params'] / 1e6:.3f} M | {r['flops_per_image'] / 1e6:.1f} "
+            f"| {r['epochs']:.2f} | {r['steps']} | {r['train_seconds'] / 60:.1f} | {r['images_per_s']:.0f} "
+            f"| {100 * r['data_share']:.1f}% | {fmt(r, 'final_acc')}{tta} | {fmt(r, 'best_acc')} |")
+
+
 def _results_table(res: dict) -> list[str]:
+    """A row per model; a group of seeds gets a row per seed and one of their mean +- std."""
     lines = ["| model | preset | params | MFLOP/img (fwd) | epochs | steps | train min | img/s | data share "
              "| final test acc | best test acc |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    plain = lambda r, k: f"{r[k]:.4f}"  # noqa: E731
+    spread = lambda r, k: f"{r['spread'][k]['mean']:.4f} ± {r['spread'][k]['std']:.4f}"  # noqa: E731
     for fam, r in res.items():
-        tta = (f" (flip-TTA {r['final_acc_tta']:.4f}, 6-view TTA {r['final_acc_tta_shift']:.4f})"
-               if "final_acc_tta" in r else "")
-        if "final_acc_no_ema" in r:  # the run kept an EMA of its weights; the raw weights' figure beside it
-            tta += f" (EMA; raw weights {r['final_acc_no_ema']:.4f})"
-        lines.append(f"| {NAMES[fam]} | {r['preset']} | {r['params'] / 1e6:.3f} M | {r['flops_per_image'] / 1e6:.1f} "
-                     f"| {r['epochs']:.2f} | {r['steps']} | {r['train_seconds'] / 60:.1f} | {r['images_per_s']:.0f} "
-                     f"| {100 * r['data_share']:.1f}% | {r['final_acc']:.4f}{tta} | {r['best_acc']:.4f} |")
+        if "per_seed" not in r:
+            lines.append(_row(NAMES[fam], r, plain))
+            continue
+        for one in r["per_seed"]:
+            lines.append(_row(f"{NAMES[fam]}, seed {one['seed']}", one, plain))
+        lines.append(_row(f"**{NAMES[fam]}, mean ± std over {len(r['seeds'])} seeds** (img/s: all together)", r,
+                          spread))
     return lines
 
 
@@ -275,23 +303,67 @@ def _distance_table(res: dict) -> list[str]:
     return lines + [""]
 
 
-def write_outputs(out: Path, summary: dict, modules: dict[str, nn.Module], images: torch.Tensor, labels: torch.Tensor,
-                  classes, norm: nn.Module, plots: bool = True) -> None:
-    """A run's outputs: the global-context measures of ``modules`` on ``images`` (uint8 test
-    images, a fixed sample) added to ``summary``, then summary.json, the plots and report.md."""
-    summary["config"]["context_images"] = len(images)  # what the report's measures saw
-    context = {fam: context_metrics(m, norm(images)) for fam, m in modules.items()}
-    for fam, c in context.items():
-        summary["models"][fam]["erf_radius_px"] = [e["radius_px"] for e in c["erf"]]
-        if "attention_distance" in c:
-            summary["models"][fam]["attention_distance_px"] = c["attention_distance"].tolist()
-            summary["models"][fam]["attention_entropy_nats"] = c["attention_entropy"].tolist()
+def mean_context(contexts: list[dict]) -> dict:
+    """Several seeds' ``context_metrics`` of one model as one: radii, distances, entropies and
+    gradient maps averaged over the seeds; the example maps (rollout, heads) the first seed's."""
+    first = contexts[0]
+    if len(contexts) == 1:
+        return first
+    out = dict(first)
+    out["erf"] = [{"name": e["name"], **{k: sum(c["erf"][i][k] for c in contexts) / len(contexts)
+                                        for k in ("radius_px", "radius90_px", "grad")}}
+                  for i, e in enumerate(first["erf"])]
+    for key in ("attention_distance", "attention_entropy"):
+        if key in first:
+            out[key] = torch.stack([c[key] for c in contexts]).mean(0)
+    return out
+
+
+def context_figures(context: dict) -> dict[str, Any]:
+    """A model's global-context figures as a result holds them (lists of numbers, in pixels and nats)."""
+    out: dict[str, Any] = {"erf_radius_px": [e["radius_px"] for e in context["erf"]]}
+    if "attention_distance" in context:
+        out["attention_distance_px"] = context["attention_distance"].tolist()
+        out["attention_entropy_nats"] = context["attention_entropy"].tolist()
+    return out
+
+
+def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]], samples: list[Sample], classes,
+                  plots: bool = True) -> None:
+    """A run's outputs: the global-context measures of each seed's model (``modules[family][s]``)
+    on that seed's fixed test images (``samples[s]``), added to ``summary`` (a group's per seed, then
+    its means and spread anew), then summary.json, the plots and report.md (a group's measures as
+    their means over the seeds)."""
+    summary["config"]["context_images"] = len(samples[0].images)  # what the report's measures saw
+    context = {}
+    for fam, ms in modules.items():
+        per_seed = [context_metrics(m, s.norm(s.images)) for m, s in zip(ms, samples)]
+        result = summary["models"][fam]
+        if "per_seed" in result:
+            for r, c in zip(result["per_seed"], per_seed):
+                r.update(context_figures(c))
+            summary["models"][fam] = regroup(result)
+        else:
+            result.update(context_figures(per_seed[0]))
+        context[fam] = mean_context(per_seed)
     figs = []
     if plots:
+        first = samples[0]
         figs = write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context,
-                           images[:16].float().cpu() / 255, labels[:16].cpu(), classes)
+                           first.images[:16].float().cpu() / 255, first.labels[:16].cpu(), classes)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     write_report(out, summary, context, figs)
+
+
+def final_line(family: str, r: dict) -> str:
+    """The console's last line for a model: its final accuracy, or over seeds their mean and spread."""
+    if "spread" in r:
+        acc = r["spread"]["final_acc"]
+        return (f"[{family}] final test accuracy {acc['mean']:.4f} +- {acc['std']:.4f} over {acc['n']} seeds (min "
+                f"{acc['min']:.4f}, max {acc['max']:.4f}), {r['epochs']:.2f} epochs in {r['train_seconds'] / 60:.1f} "
+                f"min, {r['images_per_s']:.0f} img/s for all seeds together")
+    return (f"[{family}] final test accuracy {r['final_acc']:.4f} (best {r['best_acc']:.4f}), "
+            f"{r['epochs']:.2f} epochs in {r['train_seconds'] / 60:.1f} min, {r['images_per_s']:.0f} img/s")
 
 
 def write_report(out: Path, summary: dict, context: dict, figs: list[Figure]) -> None:
@@ -302,10 +374,14 @@ def write_report(out: Path, summary: dict, context: dict, figs: list[Figure]) ->
     lines = [f"# ViT against CNN on {summary['dataset']}", "",
              f"Run folder `{out}`; {env['device']} ({env.get('cpu', '')}, {env['threads']} threads), "
              f"torch {env['torch']}, commit {env.get('git_commit')}"
-             f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}, seed {cfg['seed']}, "
+             f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}, "
+             f"{'seeds ' + cfg['seeds'] if cfg.get('seeds') else 'seed ' + str(cfg['seed'])}, "
              f"world size {summary['world_size']}.", "", *_results_table(summary["models"]), "",
              f"{budget} (evaluation excluded). 'data share' = time making batches (index, augment, "
              "normalise) / training time.", ""]
+    if cfg.get("seeds"):
+        lines += [f"Seeds {cfg['seeds']} trained at once on one clock: the budget or the epochs are the group's, and "
+                  "the measures below are the seeds' means (each seed's are in summary.json, `per_seed`).", ""]
     if context:
         lines += context_table(context, cfg["context_images"])
     lines += _distance_table(summary["models"])

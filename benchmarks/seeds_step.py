@@ -1,0 +1,108 @@
+"""Several seeds at once against the same seeds one after another: train_cifar.py's own step.
+
+For each model (the CIFAR-10 defaults), precision and number of seeds S, the runs are built as
+the script builds them: a group of S seeds (``--seeds``, one ``SeedStack`` stepped by one
+optimiser) in each ``--modes`` way, and S solo runs (``--seed k``), which stand for the same seeds
+trained one after another. Each round times ``steps`` steps of the group and ``steps`` steps of
+every solo run, in rotating order; the figure is the total images/s (all seeds), median over
+rounds, and the group's ratio to the solo runs'. ``--compile`` adds each kind compiled
+(``torch.compile`` of the stepped module, as ``--compile`` does), its first steps off the clock.
+
+    python -m benchmarks.seeds_step --data-dir path/to/cifar10 --seeds 1 2 4 --json results.json
+    python -m benchmarks.seeds_step --data-dir path/to/cifar10 --models vit --dtypes float32 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vitattn.training import classify, loop, runtime
+from vitattn.training.runtime import Dist, native_bf16
+
+
+def build(fam: str, cfg: classify.Config, dev: torch.device, out: Path) -> tuple[loop.Run, object]:
+    """A run as train_cifar.py builds it, and its first epoch's batches."""
+    datasets = classify.load_datasets(cfg, dev)
+    model = classify.build_models(fam, cfg, datasets, dev)
+    ds = datasets if len(cfg.seed_list()) > 1 else datasets[0]
+    run = classify.build_run(fam, model, cfg, ds, dev, Dist(), out / f"{fam}.pt")
+    return run, run.task.batches(0, 0)
+
+
+def timed(runs: list, steps: int) -> float:
+    """Seconds for ``steps`` steps of each run in turn."""
+    t = time.perf_counter()
+    for run, batches in runs:
+        for _ in range(steps):
+            loop.train_step(run, next(batches))
+        run.running.tolist()  # waits for a GPU
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", required=True, help="CIFAR-10 as train_cifar.py takes it")
+    p.add_argument("--models", nargs="+", default=["vit", "cnn"], choices=["vit", "cnn"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 4], help="group sizes")
+    p.add_argument("--modes", nargs="+", default=["loop"], choices=["loop", "vmap"], help="how a group runs")
+    p.add_argument("--compile", action="store_true", help="also time each kind compiled")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="steps per timed block")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    runtime.keep_freed_memory()  # as the scripts' --malloc keep
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        runtime.configure_cuda()
+    result = {"environment": runtime.environment(dev), "native_bf16": native_bf16(dev),
+              "command": " ".join(["python -m benchmarks.seeds_step", *sys.argv[1:]]), "rows": []}
+    out = Path(tempfile.mkdtemp())
+    compiled = [False, True] if args.compile else [False]
+    for fam in args.models:
+        for d in args.dtypes:
+            amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
+            base = dict(data_dir=args.data_dir, model=fam, device=args.device, progress=False, **amp)
+            for n in args.seeds:
+                kinds: dict[str, list] = {}
+                for c in compiled:
+                    tag = " compiled" if c else ""
+                    solo = [build(fam, classify.Config(**base, seed=k, compile=c, out=str(out / f"s{k}")), dev,
+                                  out / f"s{k}{tag}") for k in range(n)]
+                    kinds[f"{n} after one another{tag}"] = solo
+                    for mode in args.modes if n > 1 else ():
+                        cfg = classify.Config(**base, seeds=f"0-{n - 1}", seed_batching=mode, compile=c,
+                                              out=str(out / mode))
+                        kinds[f"{n} at once, {mode}{tag}"] = [build(fam, cfg, dev, out / f"{mode}{tag}")]
+                batch = classify.Config(**base).recipe(fam).batch_size
+                for runs in kinds.values():  # warm-up: compiles, first allocations
+                    timed(runs, 2)
+                times: dict[str, list[float]] = {k: [] for k in kinds}
+                names = list(kinds)
+                for rep in range(args.repeats):
+                    for i in range(len(names)):
+                        k = names[(i + rep) % len(names)]
+                        times[k].append(timed(kinds[k], args.steps))
+                ref = statistics.median(times[names[0]])
+                for k, ts in times.items():
+                    row = {"model": fam, "preset": classify.Config(**base).preset(fam), "precision": d, "seeds": n,
+                           "kind": k, "batch": batch, "img_per_s": n * batch * args.steps / statistics.median(ts),
+                           "vs_sequential": ref / statistics.median(ts), "block_s": ts}
+                    result["rows"].append(row)
+                    print(f"{fam} {d} {k}: {row['img_per_s']:.0f} img/s ({row['vs_sequential']:.2f}x)", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
