@@ -30,7 +30,7 @@ from vitattn.training.recipes import DEFAULT_PRESETS
 # where and how a run executes and shows, not what it trains: a resume may move them (another machine)
 UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
                        "channels_last", "eval_batch_size", "tta", "context_images", "tf32", "cudnn_benchmark",
-                       "malloc", "seed_batching")
+                       "malloc", "seed_batching", "tensorboard")
 
 
 def main(config: Config) -> dict:
@@ -80,11 +80,8 @@ def main(config: Config) -> dict:
         if s.status == "ok" and s.ranks.main:
             summary["train_seconds_total"] = sum(r["train_seconds"] for r in results.values())
             summary["wall_seconds_total"] = time.perf_counter() - t0  # data, training, evaluation
-            samples = []  # each seed's fixed test images for the global-context measures
-            for k, d in zip(group, datasets):
-                pick = classify.context_sample(k, cfg.context_images, len(d.data.test_x)).to(d.data.test_x.device)
-                samples.append(report.Sample(d.data.test_x[pick], d.data.test_y[pick], d.norm))
-            report.write_outputs(s.out, summary, modules, samples, ds.data.classes, cfg.plots)
+            report.write_outputs(s.out, summary, modules, classify.context_samples(cfg, datasets), ds.data.classes,
+                                 cfg.plots, cfg.tensorboard)
             log(f"wrote {s.out / 'report.md'}")
             for fam, r in results.items():
                 log(report.final_line(fam, r))

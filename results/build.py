@@ -220,24 +220,37 @@ def command(config: dict, family: str) -> str:
 
 
 def run_rows(name: str, s: dict) -> list[dict]:
+    """A run's rows: one per model, or per model and seed for a run of several seeds (``--seeds``),
+    each with its seed's own figures and the group's command."""
     cfg, env = s["config"], s.get("environment", {})
     rows = []
-    for family, m in s["models"].items():
-        recipe = m.get("recipe", {})
+    for family, group in s["models"].items():
         slot = "vit" if family == "vit" else "cnn"
-        preset, kwargs = canonical(m["preset"], cfg.get(f"{slot}_kwargs", "{}"))
+        preset, kwargs = canonical(group["preset"], cfg.get(f"{slot}_kwargs", "{}"))
         kwargs = json.dumps(kwargs) if kwargs else "{}"
         cfg = {**cfg, f"{slot}_preset": preset, f"{slot}_kwargs": kwargs}
-        rows.append({
-            "run": name, "model": family, "preset": preset, "model_kwargs": kwargs,
-            "optimizer": recipe.get("optimizer"), "lr": recipe.get("lr"), "batch_size": recipe.get("batch_size"),
-            "epochs": round(m["epochs"], 2), "budget_min": cfg.get("time_budget"), "seed": cfg.get("seed"),
-            "accuracy": round(m["final_acc"], 4), "best_accuracy": round(m.get("best_acc", m["final_acc"]), 4),
-            "accuracy_tta": round(m["final_acc_tta"], 4) if "final_acc_tta" in m else None,
-            **reach(m), "images_per_s": round(m["images_per_s"], 1), "train_min": round(m["train_seconds"] / 60, 2),
-            "params": m.get("params"), "hardware": machine(name), "torch": env.get("torch"),
-            "git_commit": (env.get("git_commit") or "")[:10], "command": command(cfg, family)})
+        for m in group.get("per_seed", [group]):
+            recipe = m.get("recipe", {})
+            rows.append({
+                "run": name, "model": family, "preset": preset, "model_kwargs": kwargs,
+                "optimizer": recipe.get("optimizer"), "lr": recipe.get("lr"), "batch_size": recipe.get("batch_size"),
+                "epochs": round(m["epochs"], 2), "budget_min": cfg.get("time_budget"),
+                "seed": m.get("seed", cfg.get("seed")),
+                "accuracy": round(m["final_acc"], 4), "best_accuracy": round(m.get("best_acc", m["final_acc"]), 4),
+                "accuracy_tta": round(m["final_acc_tta"], 4) if "final_acc_tta" in m else None,
+                **reach(m), "images_per_s": round(m["images_per_s"], 1), "train_min": round(m["train_seconds"] / 60, 2),
+                "params": m.get("params"), "hardware": machine(name), "torch": env.get("torch"),
+                "git_commit": (env.get("git_commit") or "")[:10], "command": command(cfg, family)})
     return rows
+
+
+def mean_std(values: list[float], digits: int = 1, unit: str = "") -> str:
+    """``'82.0 ± 0.3%'`` over seeds (sample std), or the one value."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}{unit}"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{mean:.{digits}f} ± {std:.{digits}f}{unit}"
 
 
 def reach(m: dict) -> dict:
@@ -258,18 +271,18 @@ def reach(m: dict) -> dict:
 
 
 def reach_cell(rows: list[dict]) -> str:
-    """The global-context cell of a table row: its runs' measures, averaged over seeds."""
-    def mean(key: str) -> float | None:
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
+    """The global-context cell of a table row: its runs' measures, mean ± std over the seeds."""
+    def cell(key: str, scale: float = 1.0) -> str | None:
+        vals = [scale * r[key] for r in rows if r.get(key) is not None]
+        return mean_std(vals) if vals else None
 
     parts = []
-    if mean("attention_px_block1") is not None:
-        parts.append(f"attention {mean('attention_px_block1'):.1f} px in block 1")
-    if mean("erf_px_first") is not None:
-        parts.append(f"receptive field {mean('erf_px_first'):.1f} -> {mean('erf_px_last'):.1f} px")
-    if mean("accuracy_farthest") is not None:
-        parts.append(f"{100 * mean('accuracy_farthest'):.1f}% at {rows[0]['farthest_px']} px apart")
+    if cell("attention_px_block1") is not None:
+        parts.append(f"attention {cell('attention_px_block1')} px in block 1")
+    if cell("erf_px_first") is not None:
+        parts.append(f"receptive field {cell('erf_px_first')} -> {cell('erf_px_last')} px")
+    if cell("accuracy_farthest") is not None:
+        parts.append(f"{cell('accuracy_farthest', 100)}% at {rows[0]['farthest_px']} px apart")
     return "; ".join(parts)
 
 
@@ -286,6 +299,13 @@ def runs() -> dict[str, list[dict]]:
             study = "cifar10" if s["dataset"] == "cifar10" else "long_range"
             studies[study] += run_rows(name, s)
     return studies
+
+
+def seeds_cell(seeds: list[int]) -> str:
+    """``'4 (0-3)'``: how many seeds a row averages, and which."""
+    from vitattn.training.seeds import seeds_label
+
+    return f"{len(seeds)} ({seeds_label(seeds)})" if len(seeds) > 1 else str(seeds[0])
 
 
 def runnable(cmd: str) -> str:
@@ -435,19 +455,20 @@ def table(name: str, studies: dict[str, list[dict]]) -> str:
     for task, study, runs_, family, what in TABLES[name]:
         runs_ = (runs_,) if isinstance(runs_, str) else runs_
         rows = [r for run in runs_ for r in studies[study] if r["run"] == run and r["model"] == family]
-        if len(rows) != len(runs_):
+        if {r["run"] for r in rows} != set(runs_):
             raise SystemExit(f"table {name!r} names runs that results/{study}.csv does not hold: {runs_}")
-        acc = [100 * r["accuracy"] for r in rows]
-        accuracy = (f"{acc[0]:.1f}%" if len(acc) == 1
-                    else f"{min(acc):.1f}-{max(acc):.1f}% (mean {sum(acc) / len(acc):.1f})")
-        speed = sum(r["images_per_s"] for r in rows) / len(rows)
+        accuracy = mean_std([100 * r["accuracy"] for r in rows], unit="%")
+        per_run: dict[str, float] = {}  # a run of several seeds: its seeds' rates add up to the machine's
+        for r in rows:
+            per_run[r["run"]] = per_run.get(r["run"], 0.0) + r["images_per_s"]
+        speed = sum(per_run.values()) / len(per_run)
         epochs = sorted({r["epochs"] for r in rows})
         hardware = " / ".join(sorted({r["hardware"] for r in rows}))
         kwargs = "" if rows[0]["model_kwargs"] in ("{}", "", None) else f" `{rows[0]['model_kwargs']}`"
         lines.append(f"| {task} | {what} (`{rows[0]['preset']}`{kwargs}) | "
                      f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'} | {accuracy} | "
                      + (f"{reach_cell(rows)} | " if context else "")
-                     + f"{', '.join(str(r['seed']) for r in rows)} | {speed:.0f} | "
+                     + f"{seeds_cell([r['seed'] for r in rows])} | {speed:.0f} | "
                      f"{hardware} | `{rows[0]['command']}` |")
     return "\n".join(lines) + "\n"
 

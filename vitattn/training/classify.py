@@ -350,6 +350,17 @@ def context_sample(seed: int, n: int | None, num_test: int) -> torch.Tensor:
     return torch.randperm(num_test, generator=data.step_generator(seed, -1))[:n]
 
 
+def context_samples(cfg: Config, datasets: Sequence[Dataset]) -> list:
+    """Each seed's fixed test images for the global-context measures (``report.Sample``)."""
+    from .report import Sample
+
+    out = []
+    for k, d in zip(cfg.seed_list(), datasets):
+        pick = context_sample(k, cfg.context_images, len(d.data.test_x)).to(d.data.test_x.device)
+        out.append(Sample(d.data.test_x[pick], d.data.test_y[pick], d.norm))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation and the task
 # ---------------------------------------------------------------------------------------------

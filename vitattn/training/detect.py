@@ -166,7 +166,7 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
 
 
 # where and how a run executes and shows, not what it trains: a resume may move them
-UNCHECKED_ON_RESUME = ("resume", "out", "device", "workers", "progress", "data_dir", "malloc")
+UNCHECKED_ON_RESUME = ("resume", "out", "device", "workers", "progress", "data_dir", "malloc", "tensorboard")
 
 
 def to_device(images: list, targets: list, dev: torch.device) -> tuple[list, list]:

@@ -109,6 +109,7 @@ class Run:
     config: dict | None = None  # the run's options, saved with each checkpoint
     extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
     seeds: tuple[int, ...] = (0,)  # the seeds it trains (several: a SeedStack, one copy each)
+    board: Any = None  # where its curves go (``board.Board``), if anywhere
     state: TrainState = field(default_factory=TrainState)
     running: torch.Tensor | None = None  # (loss sum, hits) per seed since the loop last read them, on the device
     started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
@@ -193,6 +194,11 @@ def read_running(run: Run, bar) -> None:
     state = run.state
     state.loss_sum = [a + b for a, b in zip(state.loss_sum, loss)]
     state.correct_sum = [a + int(b) for a, b in zip(state.correct_sum, correct)]
+    if run.board is not None and state.count:
+        lr = run.lr_at(run.progress())
+        run.board.add(state.global_step, [{"train/loss": loss / state.count, "train/acc": hits / state.count,
+                                           "lr": lr, "images_per_s": run.images_per_s()}
+                                          for loss, hits in zip(state.loss_sum, state.correct_sum)])
     if bar is not None:  # the seeds' mean
         n = max(state.count, 1) * len(run.seeds)
         bar.set_postfix(loss=f"{sum(state.loss_sum) / n:.3f}", acc=f"{sum(state.correct_sum) / n:.3f}",
@@ -316,6 +322,10 @@ def evaluate_epoch(run: Run, metrics: Path, log) -> None:
     if ranks.main:
         for line in lines:
             runfolder.append_jsonl(metrics, line)
+        if run.board is not None:
+            run.board.add(state.global_step, [{f"epoch/{k}": v for k, v in line.items() if k not in ("model", "seed")
+                                               and isinstance(v, (int, float))} for line in lines])
+            run.board.flush()
         log(epoch_line(run, lines, evs))
         if not state.done:
             run.save(rng)

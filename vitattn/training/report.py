@@ -28,6 +28,7 @@ from ..context import (
     mean_attention_distance,
     rollout_map,
 )
+from . import board
 from .runfolder import read_jsonl, write_text_atomic
 from .seeds import regroup
 
@@ -329,11 +330,11 @@ def context_figures(context: dict) -> dict[str, Any]:
 
 
 def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]], samples: list[Sample], classes,
-                  plots: bool = True) -> None:
+                  plots: bool = True, tensorboard: bool = False) -> None:
     """A run's outputs: the global-context measures of each seed's model (``modules[family][s]``)
     on that seed's fixed test images (``samples[s]``), added to ``summary`` (a group's per seed, then
     its means and spread anew), then summary.json, the plots and report.md (a group's measures as
-    their means over the seeds)."""
+    their means over the seeds), and with ``tensorboard`` the final figures as scalars (``board``)."""
     summary["config"]["context_images"] = len(samples[0].images)  # what the report's measures saw
     context = {}
     for fam, ms in modules.items():
@@ -346,6 +347,11 @@ def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]],
         else:
             result.update(context_figures(per_seed[0]))
         context[fam] = mean_context(per_seed)
+    if tensorboard and board.available() and not (out / "summary.json").exists():  # once: not on a finished resume
+        for fam, r in summary["models"].items():  # the end's figures at the last step
+            b = board.Board(out, fam, r.get("seeds", [summary["config"]["seed"]]))
+            b.add(r["steps"], board.final_scalars(r))
+            b.close()
     figs = []
     if plots:
         first = samples[0]

@@ -154,6 +154,8 @@ class RunOptions:
                          "'cuda:1' (one process)")
     seed: int = option(0, "seed for weights, data order and augmentation")
     progress: bool = option(True, "tqdm progress bar")
+    tensorboard: bool = option(True, "TensorBoard curves in <out>/tensorboard (tensorboard --logdir runs), where the "
+                               "tensorboard package is installed")
     resume: str | None = option(None, "a run folder to continue, with the options it was started with")
     malloc: str = option("keep", "glibc's malloc: 'keep' freed memory for the next step (no mmap, no trim; "
                          "faster, the process keeps its peak) or 'system' (glibc's defaults)",

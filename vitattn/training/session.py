@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import cli, loop, runfolder, runtime
+from . import board, cli, loop, runfolder, runtime
 from .errors import Interrupted, NonFiniteLoss
 
 
@@ -68,6 +68,15 @@ class Session:
                      f"({run.state.train_seconds:.0f} s)")
         bar = (cli.progress_bar(name, run.total_steps, run.state.global_step, run.budget_s, run.state.train_seconds)
                if self.cfg.progress and self.ranks.main else None)
+        if self.cfg.tensorboard and self.ranks.main:
+            if board.available():  # a resume drops what the stopped session wrote after its checkpoint
+                st = run.state  # an epoch's figures at its checkpoint's step stay, unless evaluated again
+                again = bool(st.eval_at) or st.step_in_epoch > 0
+                run.board = board.Board(self.out, name, run.seeds, st.global_step + (not again) if st.global_step
+                                        else 0)
+            else:
+                self.log(f"[{name}] no TensorBoard curves: the tensorboard package is not installed "
+                         "(pip install tensorboard, or --no-tensorboard)")
         try:
             return loop.fit(run, self.out / "metrics.jsonl", self.stop, self.log, bar, info=info)
         except Interrupted:
@@ -77,6 +86,9 @@ class Session:
         except NonFiniteLoss as e:
             self.log(str(e))
             self.status = "nan"
+        finally:
+            if run.board is not None:
+                run.board.close()
         return None
 
 
