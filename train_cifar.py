@@ -17,6 +17,7 @@ References: airbench (``airbench94.py``) for the layout and the CNN recipe; DeiT
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import asdict
@@ -25,7 +26,7 @@ import vitattn
 from vitattn.training import classify, cli, data, report, runfolder, runtime, seeds, session
 from vitattn.training.classify import Config
 from vitattn.training.errors import CheckpointError, DataError, UsageError
-from vitattn.training.recipes import DEFAULT_PRESETS
+from vitattn.training.recipes import DEFAULT_PRESETS, recipe_defaults
 
 # where and how a run executes and shows, not what it trains: a resume may move them (another machine)
 UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
@@ -91,8 +92,13 @@ def main(config: Config) -> dict:
 def parse_args(argv: list[str] | None = None) -> Config:
     """The command line, one option per ``Config`` field, its help from the field's metadata;
     timm's names are aliases where the meaning is the same (``--output``, ``--clip-grad``)."""
-    p = cli.build_parser(Config, __doc__.split("\n\n")[0],
-                         epilog="Options left unset take the model family's recipe (vitattn.training.recipes.RECIPES).")
+    pre = argparse.ArgumentParser(add_help=False)  # the model and data the recipe defaults of --help are for
+    pre.add_argument("--model", default="both", choices=("vit", "cnn", "both"))
+    pre.add_argument("--dataset", default="cifar10", choices=("cifar10", "long-range"))
+    chosen, _ = pre.parse_known_args(argv)
+    p = cli.build_parser(Config, __doc__.split("\n\n")[0], defaults=recipe_defaults(chosen.model, chosen.dataset),
+                         epilog="Options left unset take the model family's recipe (vitattn.training.recipes.RECIPES); "
+                         "--help with --model and --dataset shows that recipe's values.")
     p.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
                    help="print the presets (matching PATTERN, e.g. 'vit_*') with their size and purpose, and exit")
     first, _ = p.parse_known_args(argv)

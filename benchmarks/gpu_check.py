@@ -24,7 +24,12 @@ Steps (``--steps``), each one line ``PASS|FAIL|SKIP name: measured vs bound``; t
 4. ``torchrun``: two processes with ``--device cuda``. With two GPUs or more: exit 0 and the
    ranks' final weights equal (``ranks_agree`` in the summary). With one GPU: two ranks cannot
    each own a GPU, so the check is the refusal: the second rank's one line naming the GPU count.
-5. ``step``: the main job's own step of its CIFAR-10 ViT (``vitattn.training.loop.train_step``: Muon,
+5. ``seeds``: ``benchmarks.seeds_step`` on both models, one seed against ``SEEDS`` (8) at once
+   (``--seed-batching vmap``), eager and compiled, in the first dtype, each as a share of the
+   card's bf16 peak (an 8192^3 bf16 product timed in the same call). Pass: ``TARGETS`` (images/s:
+   CNN solo 100,000, airbench's class; ViT solo 25,000 and 80,000 over 8 seeds), the best of
+   eager and compiled.
+6. ``step``: the main job's own step of its CIFAR-10 ViT (``vitattn.training.loop.train_step``: Muon,
    augmentation, normalisation, label smoothing, EMA) in the first dtype, interleaved with it on
    timm's ``VisionTransformer`` of the same shape and weights. Pass: vitattn's images/s at least
    ``TIMM_SPEED`` (0.8) of timm's.
@@ -55,6 +60,8 @@ FLOORS = {"cifar10": {"vit": 0.60, "cnn": 0.75}, "long-range": {"vit": 0.60, "cn
 PRECISION_GAP = 0.02
 COMPILE_SPEED = 0.95
 TIMM_SPEED = 0.8
+SEEDS = 8
+TARGETS = {("cnn", 1): 100_000, ("vit", 1): 25_000, ("vit", SEEDS): 80_000}
 
 
 # train_cifar.py run as a program; a Ctrl-C at a given training step (the nth cross-entropy), and
@@ -240,7 +247,45 @@ def step(args, work: Path, report: dict) -> dict:
                    f">= {TIMM_SPEED}x timm")
 
 
-STEPS = {"fresh": fresh, "resume": resume, "compile": compiled, "torchrun": torchrun, "step": step}
+def peak_tflops(device: torch.device, n: int = 8192) -> float:
+    """The card's bf16 product rate: the best of a few ``n``-cube products."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(4):
+        t = time.perf_counter()
+        (a @ a).sum().item()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e12
+
+
+def seeds(args, work: Path, report: dict) -> dict:
+    from benchmarks import seeds_step
+
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       "cpu" if args.device == "auto" else args.device)
+    n = 2 if args.quick else SEEDS
+    argv = ["--device", str(dev), "--dtypes", args.dtypes[0], "--seeds", "1", str(n), "--modes", "vmap",
+            "--repeats", "1" if args.quick else "3", "--steps", "1" if args.quick else "10"]
+    argv += [] if args.quick else ["--compile"]
+    if args.data_dir:
+        argv += ["--data-dir", args.data_dir]
+    rows = seeds_step.main(argv)["rows"]
+    peak = peak_tflops(dev, 512 if args.quick else 8192)
+    for r in rows:
+        r["share_of_bf16_peak"] = 3 * r["flops_per_image"] * r["img_per_s"] / 1e12 / peak
+    report["seeds"] = dict(rows=rows, bf16_peak_tflops=peak)
+    best = {}
+    for r in rows:
+        key = (r["model"], r["seeds"])
+        best[key] = max(best.get(key, 0.0), r["img_per_s"])
+    measured = ", ".join(f"{m} x{k}: {v:.0f} img/s" for (m, k), v in best.items())
+    if args.quick:
+        return verdict(True, measured, "targets not applied with --quick")
+    missed = [f"{m} x{k} {best.get((m, k), 0):.0f} < {t}" for (m, k), t in TARGETS.items() if best.get((m, k), 0) < t]
+    return verdict(not missed, measured + (f"; missed: {missed}" if missed else ""), f"img/s >= {TARGETS}")
+
+
+STEPS = {"fresh": fresh, "resume": resume, "compile": compiled, "torchrun": torchrun, "seeds": seeds, "step": step}
 
 
 def main(argv: list[str] | None = None) -> int:

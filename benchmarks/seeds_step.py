@@ -49,7 +49,8 @@ def timed(runs: list, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", required=True, help="CIFAR-10 as train_cifar.py takes it")
+    p.add_argument("--data-dir", default=None, help="CIFAR-10 as train_cifar.py takes it; default: a small "
+                   "long-range set (its presets)")
     p.add_argument("--models", nargs="+", default=["vit", "cnn"], choices=["vit", "cnn"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 4], help="group sizes")
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     for fam in args.models:
         for d in args.dtypes:
             amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
-            base = dict(data_dir=args.data_dir, model=fam, device=args.device, progress=False, **amp)
+            data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
+                                                                            long_range_test=64)
+            base = dict(**data, model=fam, device=args.device, progress=False, tensorboard=False, **amp)
             for n in args.seeds:
                 kinds: dict[str, list] = {}
                 for c in compiled:
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ref = statistics.median(times[names[0]])
                 for k, ts in times.items():
                     row = {"model": fam, "preset": classify.Config(**base).preset(fam), "precision": d, "seeds": n,
-                           "kind": k, "batch": batch, "img_per_s": n * batch * args.steps / statistics.median(ts),
+                           "kind": k, "batch": batch, "flops_per_image": kinds[k][0][0].model.flops,
+                           "img_per_s": n * batch * args.steps / statistics.median(ts),
                            "vs_sequential": ref / statistics.median(ts), "block_s": ts}
                     result["rows"].append(row)
                     print(f"{fam} {d} {k}: {row['img_per_s']:.0f} img/s ({row['vs_sequential']:.2f}x)", flush=True)

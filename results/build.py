@@ -3,15 +3,19 @@
     python -m results.build            # writes results/*.csv and the tables in README.md and docs/
     python -m results.build --check    # exits 1 if any of them is out of date (the test suite runs this)
 
-Sources: ``docs/results/*_summary.json`` (one ``train_cifar.py`` run each) and
-``*_summaries.json`` (several runs' summaries joined under a key), and the step-speed JSONs of
-``benchmarks/`` in ``benchmarks/results/``. Outputs, one CSV per study:
+    python -m results.build --add runs/RUN NAME   # takes a finished train_cifar.py run in as NAME, then builds
 
-- ``results/cifar10.csv``: every CIFAR-10 run, one row per model;
-- ``results/long_range.csv``: every long-range run, one row per model;
+Sources: ``docs/results/runs.json`` (each ``train_cifar.py`` run's summary under its name),
+``docs/results/*_summaries.json`` (a sweep's summaries under a key each), ``results/epochs.csv``
+(every run's metrics lines, one row per run, model, seed and epoch: what the curves are drawn
+from; ``--add`` writes both) and the step-speed JSONs of ``benchmarks/`` in ``benchmarks/results/``.
+Outputs, one CSV per study:
+
+- ``results/cifar10.csv``: every CIFAR-10 run, one row per model and seed;
+- ``results/long_range.csv``: every long-range run, one row per model and seed;
 - ``results/detection.csv``: the shapes detection experiment (``docs/results/detect_shapes.json``);
 - ``results/step_speed.csv``: training-step speed against the peers (bench_vit) and fp32 against
-  bf16 (precision_step);
+  bf16 (precision_step); several seeds at once against one after another (seeds_step);
 
 and the tables between ``<!-- results:NAME:begin -->`` / ``<!-- results:NAME:end -->`` markers in
 README.md and docs/*.md, built from the CSV rows that ``TABLES[NAME]`` names. A row's ``command`` is the
@@ -40,14 +44,22 @@ MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EP
             "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX",
             # up to 11 runs at once on one GPU: their images/s are shares, not the GPU's speed
             "h200shared": "NVIDIA H200 (TF32), shared by up to 11 runs"}
+# the tables' short names of the machines (defined under README's table and in docs/training.md)
+SHORT = {"2-core AMD EPYC VM, AVX2": "EPYC AVX2", "2-core AMD EPYC VM, AVX-512": "EPYC AVX-512",
+         "2-core AMD EPYC VM, AVX-512 + AVX512-BF16": "EPYC BF16", "2-core Intel Xeon VM, AVX-512 + AMX": "Xeon AMX",
+         "NVIDIA H200 (TF32), shared by up to 11 runs": "H200 shared"}
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "attention_px_block1", "erf_px_first",
                "erf_px_last", "accuracy_farthest", "farthest_px", "images_per_s", "train_min", "params", "hardware",
                "torch", "git_commit", "command")
 DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_size", "train_min", "ap", "ap50",
                      "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
+EPOCH_COLUMNS = ("run", "model", "seed", "epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
+                 "train_seconds", "images_per_s", "optimizer", "peak_lr", "batch_size", "hardware", "command")
+RUNS = RAW / "runs.json"
+EPOCHS = OUT / "epochs.csv"
 SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rate", "unit", "ratio", "peak_mb",
-                 "round_ratios_vs_timm", "newton_schulz_ms", "hardware", "torch", "command")
+                 "round_ratios_vs_timm", "hardware", "torch", "command")
 # The tables of README.md and docs/*.md, between <!-- results:NAME:begin --> and <!-- results:NAME:end -->.
 # A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
 SEEDS = tuple(range(10))
@@ -59,21 +71,15 @@ DISTILLED_10 = ("cifar10_vit_distilled_10epochs_h200shared", "cifar10_vit_distil
 TEACHER_10 = "cifar10_cnn_widths64-256-256_teacher_10epochs_h200shared"  # DISTILLED_10's teacher
 WIDE_10 = ("cifar10_cnn_widths64-256-256_10epochs_h200shared", "cifar10_cnn_widths64-256-256_10epochs_seed1_h200shared")
 L_10 = ("cifar10_vit_depth9w192_10epochs_h200shared", "cifar10_vit_depth9w192_10epochs_seed1_h200shared")
+# README's table: (task, study, {family or 'control': run(s)}); both families of a --model both run share it
+README_ROWS = (
+    ("CIFAR-10, 10 epochs", "cifar10", {"vit": VIT_10, "cnn": ("cifar10_cnn_10epochs_h200shared",
+                                                               "cifar10_cnn_10epochs_seed1_h200shared")}),
+    ("CIFAR-10, 30 min", "cifar10", {"vit": "cifar10_vit_30min_xeon2amx", "cnn": "cifar10_cnn_30min_xeon2amx"}),
+    ("long range (control: a bag of local features)", "long_range",
+     {"vit": ROPE, "cnn": "longrange_cnn_3epochs_epyc2x512", "control": "longrange_control_3epochs_epyc2x512"}),
+)
 TABLES = {
-    "readme": (
-        ("CIFAR-10, 10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
-        ("CIFAR-10, 10 epochs", "cifar10", VIT_10, "vit", "ViT"),
-        ("CIFAR-10, 10 epochs", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
-        ("CIFAR-10, 10 epochs", "cifar10", "cifar10_vit_bf16_10epochs_epyc2bf16", "vit", "ViT, bf16 autocast"),
-        ("CIFAR-10, 10 epochs", "cifar10", SPT_LSA_10, "vit", "ViT + SPT + LSA"),
-        ("CIFAR-10, 10 epochs", "cifar10", DISTILLED_10, "vit", "ViT distilled from the CNN"),
-        ("CIFAR-10, 10 epochs", "cifar10", TEACHER_10, "cnn", "its teacher: small CNN, widths 64/256/256"),
-        ("CIFAR-10, 30 min", "cifar10", "cifar10_cnn_30min_xeon2amx", "cnn", "small CNN"),
-        ("CIFAR-10, 30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT, earlier default"),
-        ("long range", "long_range", ROPE, "vit", "2-block ViT"),
-        ("long range", "long_range", "longrange_cnn_3epochs_epyc2x512", "cnn", "small CNN"),
-        ("long range", "long_range", "longrange_control_3epochs_epyc2x512", "cnn", "bag of local features (control)"),
-    ),
     "long_range": (
         ("default: 2 blocks, sin-cos table + rotary codes", "long_range", ROPE, "vit", "ViT"),
         ("2 blocks, sin-cos table alone", "long_range",
@@ -153,6 +159,10 @@ TABLES = {
          "small CNN"),
     ),
 }
+
+
+# The curves of docs/img, drawn from results/epochs.csv: name -> (title, ((label, run, model), ...)).
+FIGURES: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {}
 
 
 def machine(name: str) -> str:
@@ -286,19 +296,53 @@ def reach_cell(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def summaries() -> list[tuple[str, dict]]:
+    """Every kept run's summary with its name: ``runs.json``'s by theirs, a sweep's as ``<file stem>/<key>``."""
+    pairs = list(json.loads(RUNS.read_text()).items())
+    for path in sorted(RAW.glob("*_summaries.json")):
+        stem = path.name.removesuffix("_summaries.json")
+        pairs += [(f"{stem}/{k}", v) for k, v in json.loads(path.read_text()).items()]
+    return pairs
+
+
 def runs() -> dict[str, list[dict]]:
     """Every run's rows, by study."""
     studies: dict[str, list[dict]] = {"cifar10": [], "long_range": []}
-    for path in sorted(RAW.glob("*_summary.json")) + sorted(RAW.glob("*_summaries.json")):
-        data = json.loads(path.read_text())
-        stem = path.name.removesuffix("_summary.json").removesuffix("_summaries.json")
-        pairs = [(stem, data)] if "models" in data else [(f"{stem}/{k}", v) for k, v in data.items()]
-        for name, s in pairs:
-            if not isinstance(s, dict) or s.get("status") != "ok" or not s.get("models"):
-                continue
-            study = "cifar10" if s["dataset"] == "cifar10" else "long_range"
-            studies[study] += run_rows(name, s)
+    for name, s in summaries():
+        if not isinstance(s, dict) or s.get("status") != "ok" or not s.get("models"):
+            continue
+        study = "cifar10" if s["dataset"] == "cifar10" else "long_range"
+        studies[study] += run_rows(name, s)
     return studies
+
+
+def epoch_rows(name: str, summary: dict, lines: list[dict]) -> list[dict]:
+    """A run's metrics lines as rows of ``epochs.csv``, each with the run's recipe, hardware and command."""
+    by_model = {(r["model"], r["seed"]): r for r in run_rows(name, summary)}
+    rows = []
+    for line in lines:
+        seed = line.get("seed", summary["config"].get("seed"))
+        run = by_model[(line["model"], seed)]
+        rows.append({**{k: line.get(k) for k in EPOCH_COLUMNS}, "run": name, "seed": seed,
+                     "optimizer": run["optimizer"], "peak_lr": run["lr"], "batch_size": run["batch_size"],
+                     "hardware": run["hardware"], "command": run["command"]})
+    return rows
+
+
+def add_run(folder: Path, name: str) -> None:
+    """Take the finished run in ``folder`` in as ``name``: its summary into ``runs.json``, its
+    metrics lines into ``epochs.csv`` (a run of that name already there is replaced)."""
+    summary = json.loads((folder / "summary.json").read_text())
+    if summary.get("status") != "ok":
+        raise SystemExit(f"{folder}: the run did not finish (status {summary.get('status')!r}); finish it first")
+    if machine(name) == "unknown":
+        raise SystemExit(f"{name}: the name must end in a machine tag, one of {', '.join(MACHINES)}")
+    lines = [json.loads(s) for s in (folder / "metrics.jsonl").read_text().splitlines() if s.strip()]
+    kept = json.loads(RUNS.read_text()) if RUNS.exists() else {}
+    kept[name] = {k: v for k, v in summary.items() if k != "out"}
+    RUNS.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
+    old = list(csv.DictReader(open(EPOCHS))) if EPOCHS.exists() else []
+    EPOCHS.write_text(to_csv([r for r in old if r["run"] != name] + epoch_rows(name, summary, lines), EPOCH_COLUMNS))
 
 
 def seeds_cell(seeds: list[int]) -> str:
@@ -354,17 +398,6 @@ def speed_rows() -> list[dict]:
                                  "library": "vitattn", "precision": precision, "batch": m["batch"],
                                  "rate": significant(q["img_per_s"]), "unit": "img/s", "ratio": round(q["vs_fp32"], 3),
                                  "hardware": hw, "torch": env["torch"], "command": runnable(d["command"])})
-        elif "newton_schulz_ms_per_step" in d:  # optimizer_step.py: the ViT's step per optimiser
-            ns = d["newton_schulz_ms_per_step"]
-            for name, img_s in d["images_per_s"].items():
-                dtype = {"muon_torch": "bfloat16", "muon_vitattn": "float32"}.get(name)
-                rows.append({"source": path.name, "case": f"training step, {name}", "note": d["model"],
-                             "library": "vitattn", "precision": "fp32", "batch": d["batch"], "rate": significant(img_s),
-                             "unit": "img/s", "ratio": round(img_s / d["images_per_s"]["adamw"], 3),
-                             "newton_schulz_ms": round(ns[dtype], 1) if dtype else None, "hardware": hw,
-                             "torch": d["torch"],
-                             "command": f"python -m benchmarks.optimizer_step --model {d['model']} "
-                             f"--batch {d['batch']} --rounds {d['rounds']} --iters {d['iters']}"})
     return rows
 
 
@@ -374,14 +407,7 @@ def speed_table(source: str, rows: list[dict]) -> str:
     if not rows:
         raise SystemExit(f"no step-speed rows from benchmarks/results/{source}")
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    if "newton_schulz_ms" in rows[-1]:  # optimiser step
-        lines = ["| optimiser | img/s | vs AdamW | Newton-Schulz on the block matrices, per step |",
-                 "|---|---:|---:|---:|"]
-        for r in rows:
-            ns = f"{r['newton_schulz_ms']:.0f} ms" if r.get("newton_schulz_ms") else ""
-            name = r["case"].removeprefix("training step, ")
-            lines.append(f"| {name} | {r['rate']:.0f} | {r['ratio']:.2f}x | {ns} |")
-    elif any(r["unit"] == "GFLOP/s" for r in rows):  # precision
+    if any(r["unit"] == "GFLOP/s" for r in rows):  # precision
         precisions = list(dict.fromkeys(r["precision"] for r in rows))
         lines = ["| what | " + " | ".join(precisions) + f" | {precisions[-1]} / {precisions[0]} |",
                  "|---|" + "---:|" * (len(precisions) + 1)]
@@ -438,6 +464,38 @@ def detection_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def draw_curves(path: Path, title: str, lines: tuple[tuple[str, str, str], ...], epochs: list[dict]) -> None:
+    """Test accuracy against epochs and against training minutes: each line the mean over its
+    run's seeds, the band their min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (label, run, model) in enumerate(lines):
+        rows = [r for r in epochs if r["run"] == run and r["model"] == model]
+        if not rows:
+            raise SystemExit(f"figure {path.name}: results/epochs.csv has no rows of {run} {model}")
+        marks = sorted({float(r["epoch"]) for r in rows})
+        at = [[r for r in rows if float(r["epoch"]) == e] for e in marks]
+        acc = [[100 * float(r["test_acc"]) for r in a] for a in at]
+        minutes = [sum(float(r["train_seconds"]) for r in a) / len(a) / 60 for a in at]
+        mean = [sum(a) / len(a) for a in acc]
+        n = len({r["seed"] for r in rows})
+        for a_, x in ((ax[0], marks), (ax[1], minutes)):
+            a_.plot(x, mean, "o-", color=f"C{i}", ms=3, label=f"{label} ({n} seed{'s' if n > 1 else ''})")
+            a_.fill_between(x, [min(a) for a in acc], [max(a) for a in acc], color=f"C{i}", alpha=0.2)
+    ax[0].set(xlabel="epoch", ylabel="test accuracy (%)", title=title)
+    ax[1].set(xlabel="training minutes", ylabel="test accuracy (%)", title="time to accuracy")
+    for a_ in ax:
+        a_.grid(alpha=0.3)
+        a_.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, columns, lineterminator="\n")
@@ -446,30 +504,55 @@ def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
     return buf.getvalue()
 
 
+def row_cells(rows: list[dict]) -> dict[str, str]:
+    """The cells of a table row from its runs' rows: accuracy and context as mean ± std over the
+    seeds, epochs, seeds, the machine's img/s (a run of several seeds: its seeds' rates summed) and
+    the hardware's short name."""
+    per_run: dict[str, float] = {}
+    for r in rows:
+        per_run[r["run"]] = per_run.get(r["run"], 0.0) + r["images_per_s"]
+    epochs = sorted({r["epochs"] for r in rows})
+    return {"accuracy": mean_std([100 * r["accuracy"] for r in rows], unit="%"), "context": reach_cell(rows),
+            "epochs": f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'}",
+            "seeds": seeds_cell([r["seed"] for r in rows]), "n": str(len(rows)), "speed": f"{sum(per_run.values()) / len(per_run):.0f}",
+            "hardware": " / ".join(sorted({SHORT[r["hardware"]] for r in rows}))}
+
+
+def rows_of(name: str, study: str, runs_, family: str, studies: dict[str, list[dict]]) -> list[dict]:
+    runs_ = (runs_,) if isinstance(runs_, str) else runs_
+    rows = [r for run in runs_ for r in studies[study] if r["run"] == run and r["model"] == family]
+    if {r["run"] for r in rows} != set(runs_):
+        raise SystemExit(f"table {name!r} names runs that results/{study}.csv does not hold: {runs_}")
+    return rows
+
+
+def readme_table(studies: dict[str, list[dict]]) -> str:
+    """README's table: the comparison the project exists for, a row per task, ViT against CNN (and
+    the long-range control), mean ± std over the seeds."""
+    lines = ["| task | ViT | CNN | control | global context, ViT | global context, CNN | seeds | hardware |",
+             "|---|---:|---:|---:|---|---|---|---|"]
+    for task, study, runs_ in README_ROWS:
+        cells = {fam: row_cells(rows_of("readme", study, r, "vit" if fam == "vit" else "cnn", studies))
+                 for fam, r in runs_.items()}
+        acc = [cells[f]["accuracy"] if f in cells else "" for f in ("vit", "cnn", "control")]
+        seeds = " / ".join(cells[f]["n"] for f in cells)
+        hardware = " / ".join(sorted({cells[f]["hardware"] for f in cells}))
+        lines.append(f"| {task} | {' | '.join(acc)} | {cells['vit']['context']} | {cells['cnn']['context']} | "
+                     f"{seeds} | {hardware} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(name: str, studies: dict[str, list[dict]]) -> str:
-    """``TABLES[name]`` as markdown; a row of several runs gives the range of their accuracies."""
-    context = name == "readme"  # the comparison's point: how far each model sees, first layer to last
-    lines = ["| task | model | epochs | test accuracy | " + ("global context | " if context else "")
-             + "seeds | img/s | hardware | command (first seed) |",
-             "|---|---|---:|---:|" + ("---|" if context else "") + "---|---:|---|---|"]
+    """``TABLES[name]`` as markdown: a row per entry, its runs' seeds pooled (mean ± std); each
+    run's command is in the study's CSV."""
+    lines = ["| what | model | epochs | test accuracy | seeds | img/s | hardware |",
+             "|---|---|---:|---:|---|---:|---|"]
     for task, study, runs_, family, what in TABLES[name]:
-        runs_ = (runs_,) if isinstance(runs_, str) else runs_
-        rows = [r for run in runs_ for r in studies[study] if r["run"] == run and r["model"] == family]
-        if {r["run"] for r in rows} != set(runs_):
-            raise SystemExit(f"table {name!r} names runs that results/{study}.csv does not hold: {runs_}")
-        accuracy = mean_std([100 * r["accuracy"] for r in rows], unit="%")
-        per_run: dict[str, float] = {}  # a run of several seeds: its seeds' rates add up to the machine's
-        for r in rows:
-            per_run[r["run"]] = per_run.get(r["run"], 0.0) + r["images_per_s"]
-        speed = sum(per_run.values()) / len(per_run)
-        epochs = sorted({r["epochs"] for r in rows})
-        hardware = " / ".join(sorted({r["hardware"] for r in rows}))
+        rows = rows_of(name, study, runs_, family, studies)
+        c = row_cells(rows)
         kwargs = "" if rows[0]["model_kwargs"] in ("{}", "", None) else f" `{rows[0]['model_kwargs']}`"
-        lines.append(f"| {task} | {what} (`{rows[0]['preset']}`{kwargs}) | "
-                     f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'} | {accuracy} | "
-                     + (f"{reach_cell(rows)} | " if context else "")
-                     + f"{seeds_cell([r['seed'] for r in rows])} | {speed:.0f} | "
-                     f"{hardware} | `{rows[0]['command']}` |")
+        lines.append(f"| {task} | {what} (`{rows[0]['preset']}`{kwargs}) | {c['epochs']} | {c['accuracy']} | "
+                     f"{c['seeds']} | {c['speed']} | {c['hardware']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -482,14 +565,14 @@ def outputs() -> dict[Path, str]:
     files[OUT / "detection.csv"] = to_csv(detection, DETECTION_COLUMNS)
     for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         text = page.read_text()
-        names = [*TABLES, "detection", *(f"speed/{p.name}" for p in sorted(BENCH.glob("*.json")))]
+        names = ["readme", *TABLES, "detection", *(f"speed/{p.name}" for p in sorted(BENCH.glob("*.json")))]
         for name in names:
             begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
             if begin in text and end in text:
                 head, rest = text.split(begin, 1)
                 body = (detection_table(detection) if name == "detection" else
                         speed_table(name.removeprefix("speed/"), speed) if name.startswith("speed/") else
-                        table(name, studies))
+                        readme_table(studies) if name == "readme" else table(name, studies))
                 text = head + begin + body + end + rest.split(end, 1)[1]
         files[page] = text
     return files
@@ -498,8 +581,19 @@ def outputs() -> dict[Path, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether the outputs are up to date")
+    p.add_argument("--add", nargs=2, metavar=("RUN", "NAME"), help="take a finished run folder in as NAME "
+                   "(<study>_<model>_<what differs>_<epochs or budget>_<machine>), then build")
     a = p.parse_args(argv)
+    if a.add:
+        add_run(Path(a.add[0]), a.add[1])
     stale = []
+    epochs = list(csv.DictReader(open(EPOCHS)))
+    for name, (title, lines) in FIGURES.items():  # PNG bytes vary with matplotlib's version: --check wants them there
+        path = ROOT / "docs" / "img" / name
+        if not a.check:
+            draw_curves(path, title, lines, epochs)
+        elif not path.exists():
+            stale.append(path.relative_to(ROOT))
     for path, text in outputs().items():
         if not path.exists() or path.read_text() != text:
             stale.append(path.relative_to(ROOT))

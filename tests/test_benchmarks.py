@@ -18,15 +18,18 @@ def test_gpu_check_runs_its_steps_in_miniature_on_the_cpu_and_passes(tmp_path):
     # --compile is left out (on a CPU it builds C++ kernels for minutes), and fp32 stands in for
     # bf16; torchrun runs two tiny gloo processes, the step comparison batch 64 for two steps.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--dtypes", "float32",
-           "--steps", "fresh", "resume", "torchrun", "step", "--work", str(tmp_path / "work"), "--out", str(out)]
+           "--steps", "fresh", "resume", "torchrun", "seeds", "step", "--work", str(tmp_path / "work"),
+           "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("gpu_check on cpu: fresh, resume, torchrun, step;") and lines[-1] == "gpu_check: PASS"
+    assert lines[0].startswith("gpu_check on cpu: fresh, resume, torchrun, seeds, step;") and \
+        lines[-1] == "gpu_check: PASS"
     report = json.loads(out.read_text())
     assert {k: v["verdict"] for k, v in report["verdicts"].items()} == dict.fromkeys(
-        ("fresh", "resume", "torchrun", "step"), "PASS")
+        ("fresh", "resume", "torchrun", "seeds", "step"), "PASS")
+    assert {r["seeds"] for r in report["seeds"]["rows"]} == {1, 2} and report["seeds"]["bf16_peak_tflops"] > 0
     assert report["resume"]["max_weight_diff"] == 0.0 and report["torchrun"]["ranks_agree"] is True
 
 
@@ -46,10 +49,10 @@ def test_every_benchmark_imports_as_run_by_python_m():
     import importlib
 
     names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
-    assert "profile_step" in names and len(names) >= 10
+    assert "seeds_step" in names and len(names) >= 6
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
         assert module.__doc__, f"benchmarks/{name}.py says what it measures in its docstring"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.profile_step", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.seeds_step", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]

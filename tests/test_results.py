@@ -65,9 +65,9 @@ def test_every_kept_run_builds_today_with_the_parameters_it_recorded():
     from vitattn.training.classify import Config
 
     options = {f.name for f in dataclasses.fields(Config)}
-    for path in sorted((ROOT / "docs" / "results").glob("*_summar*.json")):
-        data = json.loads(path.read_text())
-        for name, s in ([(path.name, data)] if "models" in data else data.items()):
+    raw = ROOT / "docs" / "results"
+    for path in [raw / "runs.json", *sorted(raw.glob("*_summaries.json"))]:
+        for name, s in json.loads(path.read_text()).items():
             assert set(s["config"]) <= options, (name, set(s["config"]) - options)
             for fam, m in s["models"].items():
                 slot = "vit" if fam == "vit" else "cnn"
@@ -82,3 +82,11 @@ def test_every_kept_run_builds_today_with_the_parameters_it_recorded():
                 frozen = sum(v.numel() for k, v in state.items() if k.rsplit(".", 1)[-1] not in
                              ("running_mean", "running_var", "num_batches_tracked") and v.is_floating_point())
                 assert m["params"] in (sum(p.numel() for p in model.parameters()), frozen), (name, fam)
+
+
+def test_every_epoch_row_belongs_to_a_kept_run_and_each_kept_run_has_its_epochs():
+    runs = json.loads((ROOT / "docs" / "results" / "runs.json").read_text())
+    rows = list(csv.DictReader(open(ROOT / "results" / "epochs.csv")))
+    assert {r["run"] for r in rows} == set(runs)
+    for r in rows:
+        assert r["model"] in runs[r["run"]]["models"] and 0 <= float(r["test_acc"]) <= 1, r["run"]

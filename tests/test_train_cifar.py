@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -126,21 +123,3 @@ def test_an_ema_run_keeps_and_reports_the_averaged_weights(tmp_path, folder):
     for k, v in ck["ema"].items():  # the saved model is the average, not the last step's weights
         if k.startswith("module.") and v.is_floating_point():
             torch.testing.assert_close(kept[k.removeprefix("module.")], v.to(kept[k.removeprefix("module.")].dtype))
-
-
-def test_run_context_retakes_a_finished_runs_measures_and_rejects_other_folders(tmp_path, folder):
-    s = T.main(tiny(tmp_path, folder, model="vit", vit_preset="vit_quick", epochs=1, lr=None))
-    script = [sys.executable, "-m", "benchmarks.run_context"]  # from the repository root, as documented
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    got = subprocess.run([*script, s["out"], "--json"], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=ROOT)
-    assert got.returncode == 0, got.stderr
-    vit = json.loads(got.stdout)["vit"]
-    torch.testing.assert_close(torch.tensor(vit["attention_distance"]),
-                               torch.tensor(s["models"]["vit"]["attention_distance_px"]))
-    torch.testing.assert_close(torch.tensor(vit["attention_entropy"]),
-                               torch.tensor(s["models"]["vit"]["attention_entropy_nats"]))
-    table = subprocess.run([*script, s["out"]], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert table.returncode == 0 and "| ViT | blocks.5 |" in table.stdout and "attention entropy (nats)" in table.stdout
-    bad = subprocess.run([*script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr

@@ -118,3 +118,22 @@ def test_both_scripts_declare_their_shared_options_once():
     parsed = cli.parse_config(cli.build_parser(detect.Config, "d"), detect.Config,
                               ["--data-dir", "x", "--clip-grad", "2", "--seed", "3", "--amp"])
     assert (parsed.grad_clip, parsed.seed, parsed.autocast_dtype()) == (2.0, 3, torch.bfloat16)
+
+
+def test_help_says_each_default_once_and_the_chosen_models_recipe(capsys):
+    import re
+
+    import train_cifar
+
+    def help_of(*argv) -> str:
+        with pytest.raises(SystemExit):
+            train_cifar.parse_args([*argv, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    both = help_of()
+    assert not re.search(r"\(default:[^)]*\) \(default:", both) and "(default: None) (default" not in both
+    assert "--lr LR peak learning rate (default: vit 0.002, cnn 0.8: each family's recipe)" in both
+    assert "(default: 0.002, the vit recipe's)" in help_of("--model", "vit")
+    assert "--batch-size BATCH_SIZE images per step" in help_of("--model", "cnn", "--dataset", "long-range")
+    assert "(default: 64, the cnn recipe's)" in help_of("--model", "cnn", "--dataset", "long-range")
+    assert "(default: --no-amp)" in both

@@ -143,25 +143,30 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: T.Config, out: str) -> No
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     s = T.main(cfg)
-    torch.save({"state": s["modules"]["cnn"].state_dict(), "status": s["status"]}, f"{out}/rank{rank}.pt")
+    cnn = s["modules"]["cnn"]
+    states = [m.state_dict() for m in (cnn if isinstance(cnn, list) else [cnn])]
+    torch.save({"states": states, "status": s["status"]}, f"{out}/rank{rank}.pt")
 
 
-def test_two_process_gloo_run_ends_with_equal_weights(tmp_path, folder):
+@pytest.mark.parametrize("seeds", [None, "0,1"], ids=["one-seed", "two-seeds"])
+def test_two_process_gloo_run_ends_with_equal_weights(tmp_path, folder, seeds):
+    """torchrun splits each seed's batch over the ranks (a group: every rank steps every seed)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cfg = tiny(tmp_path, folder, epochs=2, batch_size=12)
+    cfg = tiny(tmp_path, folder, epochs=2, batch_size=12, seeds=seeds)
     mp.spawn(_ddp_worker, args=(2, port, cfg, str(tmp_path)), nprocs=2, join=True)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
-    assert a["status"] == b["status"] == "ok"
+    assert a["status"] == b["status"] == "ok" and len(a["states"]) == (2 if seeds else 1)
     ck = torch.load(Path(cfg.out) / "checkpoints" / "cnn.pt", weights_only=True)
     assert len(ck["rng"]) == 2 and not torch.equal(ck["rng"][0]["cpu"], ck["rng"][1]["cpu"])  # each rank's own
-    for k, v in a["state"].items():  # DDP also broadcasts rank 0's BN statistics each step
-        assert torch.equal(v, b["state"][k]), k
+    for sa, sb in zip(a["states"], b["states"]):
+        for k, v in sa.items():  # DDP also broadcasts rank 0's BN statistics each step
+            assert torch.equal(v, sb[k]), k
     rows = metrics(cfg.out)
-    assert [r["epoch"] for r in rows] == [1, 2]  # rank 0 alone writes
+    assert [r["epoch"] for r in rows] == ([1, 1, 2, 2] if seeds else [1, 2])  # rank 0 alone writes
     summary = json.loads((Path(cfg.out) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["models"]["cnn"]["batch_per_rank"] == 6
     assert summary["models"]["cnn"]["ranks_agree"] is True

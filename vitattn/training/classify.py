@@ -27,7 +27,7 @@ from . import cli, data, loop, optim, runtime, seeds
 from .cli import option
 from .errors import UsageError
 from .longrange import ATTRIBUTES, BACKGROUNDS, DISTANCE_EDGES, accuracy_by_distance, long_range_data
-from .recipes import DATASET_RECIPES, DEFAULT_PRESETS, RECIPES, Recipe
+from .recipes import DEFAULT_PRESETS, Recipe, recipe_for
 from .runtime import Dist, all_reduce_
 from .seeds import MODES as SEED_MODES
 
@@ -37,7 +37,7 @@ from .seeds import MODES as SEED_MODES
 
 
 @dataclass
-class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note=" (default: the family's recipe)")):
+class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
     vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
     cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
@@ -58,7 +58,7 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
     long_range_test: int = option(4_000, "images generated for testing it")
     limit_train: int | None = option(None, "use only N training images, taken from the classes in turn")
     limit_test: int | None = option(None, "use only N test images, taken from the classes in turn")
-    epochs: float | None = option(None, "passes over the training set (default: the recipe's)")
+    epochs: float | None = option(None, "passes over the training set, unless --time-budget ends the run first")
     flip: bool = option(True, "augmentation: random horizontal mirror")
     teacher: str | None = option(None, "a finished train_cifar.py run folder whose CNN the ViT also learns from "
                                  "(DeiT's hard distillation: the CNN labels each augmented batch as the ViT sees it; "
@@ -150,7 +150,7 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",), note
 
     def recipe(self, family: str) -> Recipe:
         """The family's recipe with the dataset's changes and this config's overrides applied."""
-        base = dataclasses.replace(RECIPES[family], **DATASET_RECIPES.get(self.dataset, {}).get(family, {}))
+        base = recipe_for(family, self.dataset)
         over = {f.name: getattr(self, f.name) for f in dataclasses.fields(Recipe)
                 if f.name != "epochs" and getattr(self, f.name, None) is not None}
         return dataclasses.replace(base, **over)

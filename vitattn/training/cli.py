@@ -88,13 +88,23 @@ def check_fields(cfg: Any) -> None:
                 raise UsageError(f"{flag} must be {want}, got {x!r}")
 
 
-def build_parser(cls: type, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type, description: str, epilog: str | None = None,
+                 defaults: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """An option per field of the dataclass ``cls`` (``--snake-case`` of its name, then its
-    aliases), typed by the annotation, booleans as ``--x`` / ``--no-x``; plus ``-c/--config``."""
+    aliases), typed by the annotation, booleans as ``--x`` / ``--no-x``; plus ``-c/--config``. Each
+    help ends with its default, said once: ``defaults[name]`` where given (what a ``None`` stands
+    for), else the field's value unless the help text already names it."""
+    defaults = defaults or {}
     p = argparse.ArgumentParser(description=description, epilog=epilog)
     p.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
     for f in dataclasses.fields(cls):
         flags, help_ = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
+        if f.name in defaults:
+            help_ += f" (default: {defaults[f.name]})"
+        elif f.type == "bool":
+            help_ += f" (default: {flags[0] if f.default else '--no-' + flags[0][2:]})"
+        elif "default" not in help_:
+            help_ += f" (default: {f.default})"
         if f.type == "bool":
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
             continue
@@ -102,7 +112,7 @@ def build_parser(cls: type, description: str, epilog: str | None = None) -> argp
         kind = float if "float" in f.type else int if "int" in f.type else str
         p.add_argument(*flags, dest=f.name, type=kind, nargs=nargs, default=f.default,
                        choices=f.metadata.get("choices"), metavar=None if "choices" in f.metadata else f.name.upper(),
-                       help=f"{help_} (default: {f.default})")
+                       help=help_)
     return p
 
 

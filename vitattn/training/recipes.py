@@ -8,6 +8,7 @@ al. 2021) and Muon (Jordan et al. 2024) for the ViT's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,25 @@ DATASET_RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 # places needs a layer that sees both; the ViT has two blocks, as six do not leave chance in
 # three epochs there, and rotary codes beside its sin-cos table, without which some seeds stay
 # at chance (docs/context.md).
+def recipe_for(family: str, dataset: str) -> Recipe:
+    """The family's recipe with the dataset's changes."""
+    return dataclasses.replace(RECIPES[family], **DATASET_RECIPES.get(dataset, {}).get(family, {}))
+
+
+def recipe_defaults(model: str, dataset: str) -> dict[str, str]:
+    """What each recipe option is when left unset, in words for ``--help``: the chosen family's
+    value on ``dataset``, or each family's where ``model`` is 'both' and they differ."""
+    families = ["vit", "cnn"] if model == "both" else [model]
+    out = {}
+    for f in dataclasses.fields(Recipe):
+        values = {fam: getattr(recipe_for(fam, dataset), f.name) for fam in families}
+        if len(set(map(str, values.values()))) == 1:
+            out[f.name] = f"{next(iter(values.values()))}, the {' and '.join(families)} recipe's"
+        else:
+            out[f.name] = ", ".join(f"{fam} {v}" for fam, v in values.items()) + ": each family's recipe"
+    return out
+
+
 DEFAULT_PRESETS: dict[str, dict[str, str]] = {
     "cifar10": {"vit": "vit_cifar10", "cnn": "cnn_cifar10"},
     "long-range": {"vit": "vit_longrange", "cnn": "cnn_longrange"},
