@@ -372,7 +372,15 @@ def speed_rows() -> list[dict]:
     for path in sorted(BENCH.glob("*.json")):
         d = json.loads(path.read_text())
         hw = machine(path.stem)
-        if "rows" in d:  # bench_vit.py: each library per case, interleaved rounds
+        if d.get("rows") and "kind" in d["rows"][0]:  # seeds_step.py: a group of seeds against its solo runs
+            env = d["environment"]
+            for r in d["rows"]:
+                rows.append({"source": path.name, "case": f"{r['model']} training step, {r['seeds']} seed(s)",
+                             "note": r["kind"], "library": "vitattn", "precision": r["precision"],
+                             "batch": r["batch"], "rate": significant(r["img_per_s"]), "unit": "img/s",
+                             "ratio": round(r["vs_sequential"], 3), "hardware": hw, "torch": env["torch"],
+                             "command": runnable(d["command"])})
+        elif "rows" in d:  # bench_vit.py: each library per case, interleaved rounds
             env = d["env"]
             timm = {(r["case"], r.get("compiled")): r["times"] for r in d["rows"] if r["lib"] == "timm"}
             for r in d["rows"]:
@@ -407,7 +415,18 @@ def speed_table(source: str, rows: list[dict]) -> str:
     if not rows:
         raise SystemExit(f"no step-speed rows from benchmarks/results/{source}")
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    if any(r["unit"] == "GFLOP/s" for r in rows):  # precision
+    if rows[0]["case"].endswith("seed(s)"):  # seeds_step: kinds side by side
+        kinds = list(dict.fromkeys(r["note"].split(" ", 1)[1] for r in rows))
+        lines = ["| model, precision | seeds | " + " | ".join(kinds) + " | best at once / one after another |",
+                 "|---|---:|" + "---:|" * (len(kinds) + 1)]
+        for key in dict.fromkeys((r["case"], r["precision"]) for r in rows):
+            by = {r["note"].split(" ", 1)[1]: r for r in rows if (r["case"], r["precision"]) == key}
+            n = key[0].rsplit(", ", 1)[1].split(" ")[0]
+            best = max((r["ratio"] for k, r in by.items() if "at once" in k), default=None)
+            lines.append(f"| {key[0].split(' ')[0]}, {key[1]} | {n} | "
+                         + " | ".join(f"{by[k]['rate']:.0f}" if k in by else "" for k in kinds)
+                         + (f" | **{best:.2f}x** |" if best is not None else " | |"))
+    elif any(r["unit"] == "GFLOP/s" for r in rows):  # precision
         precisions = list(dict.fromkeys(r["precision"] for r in rows))
         lines = ["| what | " + " | ".join(precisions) + f" | {precisions[-1]} / {precisions[0]} |",
                  "|---|" + "---:|" * (len(precisions) + 1)]
@@ -514,7 +533,8 @@ def row_cells(rows: list[dict]) -> dict[str, str]:
     epochs = sorted({r["epochs"] for r in rows})
     return {"accuracy": mean_std([100 * r["accuracy"] for r in rows], unit="%"), "context": reach_cell(rows),
             "epochs": f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'}",
-            "seeds": seeds_cell([r["seed"] for r in rows]), "n": str(len(rows)), "speed": f"{sum(per_run.values()) / len(per_run):.0f}",
+            "seeds": seeds_cell([r["seed"] for r in rows]), "n": str(len(rows)),
+            "speed": f"{sum(per_run.values()) / len(per_run):.0f}",
             "hardware": " / ".join(sorted({SHORT[r["hardware"]] for r in rows}))}
 
 

@@ -561,7 +561,7 @@ def build_run(family: str, model: nn.Module, cfg: Config, ds: Dataset | Sequence
                           grad_clip=r.grad_clip, total_steps=math.ceil(epochs * steps) if epochs is not None else None,
                           budget_s=cfg.time_budget * 60 if cfg.time_budget else None, device=device, ranks=ranks,
                           seed=cfg.seed, amp_dtype=cfg.autocast_dtype(), ema_decay=r.model_ema_decay,
-                          compile=cfg.compile, config=dataclasses.asdict(cfg), seeds_=group)
+                          compile=cfg.compile, config=dataclasses.asdict(cfg), group=group)
 
 
 def describe_run(family: str, model: nn.Module, cfg: Config, run: loop.Run, pipeline: dict,

@@ -140,14 +140,14 @@ def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.O
           checkpoint_path: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
           budget_s: float | None, device: torch.device, ranks: runtime.Dist, seed: int,
           amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
-          config: dict | None = None, extra: dict | None = None, seeds_: tuple[int, ...] | None = None) -> Run:
+          config: dict | None = None, extra: dict | None = None, group: tuple[int, ...] | None = None) -> Run:
     """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``resumed`` (read and checked by
     ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
     forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
     precision is the loop's alone (a detector's fp32 heads are a module of its own,
-    ``vitattn.vitdet.Float32``). ``seeds_``: the seeds of a ``seeds.SeedStack`` ``model`` (default:
+    ``vitattn.vitdet.Float32``). ``group``: the seeds of a ``seeds.SeedStack`` ``model`` (default:
     ``(seed,)``); a group's random streams start from its first."""
-    group = seeds_ or (seed,)
+    group = group or (seed,)
     ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainState(loss_sum=[0.0] * len(group), correct_sum=[0] * len(group), best=[0.0] * len(group))

@@ -109,11 +109,11 @@ def plot_curves(out: Path, metrics: list[dict], families) -> Figure:
     (time to accuracy), both models on one figure."""
     fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
     for c, fam in enumerate(families):
-        seeds_ = list(dict.fromkeys(m.get("seed") for m in metrics if m["model"] == fam))
-        for i, seed in enumerate(seeds_):  # a line per seed, labelled once
+        group = list(dict.fromkeys(m.get("seed") for m in metrics if m["model"] == fam))
+        for i, seed in enumerate(group):  # a line per seed, labelled once
             rows = [m for m in metrics if m["model"] == fam and m.get("seed") == seed]
-            ep, style = [m["epoch"] for m in rows], dict(color=f"C{c}", alpha=1.0 if len(seeds_) == 1 else 0.6)
-            name = NAMES[fam] + (f" ({len(seeds_)} seeds)" if len(seeds_) > 1 else "")
+            ep, style = [m["epoch"] for m in rows], dict(color=f"C{c}", alpha=1.0 if len(group) == 1 else 0.6)
+            name = NAMES[fam] + (f" ({len(group)} seeds)" if len(group) > 1 else "")
             first = i == 0
             ax[0].plot(ep, [m["train_loss"] for m in rows], "o-", label=f"{name} train" if first else None, **style)
             ax[0].plot(ep, [m["test_loss"] for m in rows], "s--", label=f"{name} test" if first else None, **style)
