@@ -21,8 +21,9 @@ def config(tmp_path, **over) -> Config:
 
 def fake_run(done: bool = False):
     """What ``Session.fit`` reads of a ``loop.Run`` before handing it to ``loop.fit``."""
-    state = SimpleNamespace(done=done, epoch=2, step_in_epoch=3, train_seconds=12.0, global_step=7)
-    return SimpleNamespace(task=SimpleNamespace(family="vit"), state=state, total_steps=10, budget_s=None)
+    state = SimpleNamespace(done=done, epoch=2, step_in_epoch=3, train_seconds=12.0, global_step=7, eval_at=0.0)
+    return SimpleNamespace(task=SimpleNamespace(family="vit"), state=state, total_steps=10, budget_s=None,
+                           seeds=(0,), board=None)
 
 
 def test_nothing_is_written_before_begin(tmp_path):
