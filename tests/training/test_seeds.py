@@ -116,7 +116,9 @@ def test_one_optimiser_over_the_stack_steps_each_seed_as_its_own_would(opt):
     assert [len(g["params"]) for g in joint.param_groups] == [len(g["params"]) for g in own[0].param_groups]
     for name, p in stack.module.named_parameters():
         for s, m in enumerate(models):
-            torch.testing.assert_close(p[s], m.get_parameter(name), atol=2e-6, rtol=1e-4)
+            # AVX-512 kernels round the stacked products differently: 1e-5 is 1% of one step at lr 1e-3, far
+            # below what a seed stepped with another seed's optimiser state would move
+            torch.testing.assert_close(p[s], m.get_parameter(name), atol=1e-5, rtol=1e-4)
 
 
 def test_the_spread_of_each_figure_and_the_means_a_summary_shows():
@@ -151,7 +153,10 @@ def test_each_seed_of_a_group_trains_as_its_solo_run(tmp_path, folder, kw):
     for k in (0, 1):
         solo = T.main(tiny(tmp_path / f"s{k}", folder, epochs=2, seed=k, **kw))
         mine = [r for r in rows if r["seed"] == k]
-        assert scores(mine)[0][3] == pytest.approx(scores(metrics(solo["out"]))[0][3], rel=1e-5)  # first epoch's loss
+        # first epoch's loss: 1e-5 in fp32; bf16 rounds at 2^-8, and where a CPU multiplies bf16 natively the
+        # stacked and solo products take different kernels (6e-5 apart on an AVX512-BF16 EPYC)
+        first = 1e-5 if "amp" not in kw else 1e-3
+        assert scores(mine)[0][3] == pytest.approx(scores(metrics(solo["out"]))[0][3], rel=first)
         _same_lines(metrics(solo["out"]), mine, rel=1e-5 if "amp" not in kw else 2e-2)
         own = group["models"][family]["per_seed"][k]
         assert own["seed"] == k and abs(own["final_acc"] - solo["models"][family]["final_acc"]) <= 1 / 12 + 1e-9
