@@ -64,7 +64,9 @@ SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rat
 # A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
 SEEDS = tuple(range(10))
 ROPE = tuple(f"longrange_vit_rope_xeon2amx/seed{k}_rope_sincos" for k in SEEDS)  # the long-range ViT, 10 seeds
+LR_GROUP = "longrange_both_seeds4_xeon2amx"  # README's long-range command: 4 seeds of each model at once
 VIT_10 = ("cifar10_vit_10epochs_h200shared", "cifar10_vit_10epochs_seed1_h200shared")  # today's default
+VIT_10_GROUP = "cifar10_vit_10epochs_seeds4_epyc2bf16"  # README's command: 4 seeds at once, bf16 autocast
 CLS_10 = ("cifar10_vit_clstoken_10epochs_h200shared", "cifar10_vit_clstoken_10epochs_seed1_h200shared")
 SPT_LSA_10 = ("cifar10_vit_spt_lsa_10epochs_h200shared",)
 DISTILLED_10 = ("cifar10_vit_distilled_10epochs_h200shared", "cifar10_vit_distilled_10epochs_seed1_h200shared")
@@ -73,15 +75,16 @@ WIDE_10 = ("cifar10_cnn_widths64-256-256_10epochs_h200shared", "cifar10_cnn_widt
 L_10 = ("cifar10_vit_depth9w192_10epochs_h200shared", "cifar10_vit_depth9w192_10epochs_seed1_h200shared")
 # README's table: (task, study, {family or 'control': run(s)}); both families of a --model both run share it
 README_ROWS = (
-    ("CIFAR-10, 10 epochs", "cifar10", {"vit": VIT_10, "cnn": ("cifar10_cnn_10epochs_h200shared",
+    ("CIFAR-10, 10 epochs", "cifar10", {"vit": VIT_10_GROUP, "cnn": ("cifar10_cnn_10epochs_h200shared",
                                                                "cifar10_cnn_10epochs_seed1_h200shared")}),
     ("CIFAR-10, 30 min", "cifar10", {"vit": "cifar10_vit_30min_xeon2amx", "cnn": "cifar10_cnn_30min_xeon2amx"}),
     ("long range (control: a bag of local features)", "long_range",
-     {"vit": ROPE, "cnn": "longrange_cnn_3epochs_epyc2x512", "control": "longrange_control_3epochs_epyc2x512"}),
+     {"vit": LR_GROUP, "cnn": LR_GROUP, "control": "longrange_control_3epochs_epyc2x512"}),
 )
 TABLES = {
     "long_range": (
         ("default: 2 blocks, sin-cos table + rotary codes", "long_range", ROPE, "vit", "ViT"),
+        ("the same, 4 seeds at once (`--seeds 0-3`)", "long_range", LR_GROUP, "vit", "ViT"),
         ("2 blocks, sin-cos table alone", "long_range",
          (*(f"longrange_vit_table_6epochs{'' if k == 0 else f'_seed{k}'}_epyc2x512" for k in range(5)),
           *(f"longrange_vit_heads_xeon2amx/seed{k}_default" for k in range(5, 10))), "vit", "ViT"),
@@ -95,6 +98,7 @@ TABLES = {
          "cnn", "CNN"),
         ("2 stages", "long_range", tuple(f"longrange_depth_3min_epyc2x512/d_cnn2_s{k}" for k in (0, 1)), "cnn", "CNN"),
         ("default: 3 stages", "long_range", "longrange_cnn_3epochs_epyc2x512", "cnn", "CNN"),
+        ("the same, 4 seeds at once", "long_range", LR_GROUP, "cnn", "CNN"),
         ("local features, no positions", "long_range", "longrange_control_3epochs_epyc2x512", "cnn", "control"),
     ),
     "cifar10": (
@@ -108,6 +112,7 @@ TABLES = {
         ("10 epochs", "cifar10", VIT_10, "vit", "ViT"),
         ("10 epochs", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
         ("10 epochs, bf16 autocast", "cifar10", "cifar10_vit_bf16_10epochs_epyc2bf16", "vit", "ViT"),
+        ("10 epochs, bf16 autocast, 4 seeds at once", "cifar10", VIT_10_GROUP, "vit", "ViT"),
         ("10 epochs, widths 64/256/256", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
          "small CNN"),
     ),
@@ -417,12 +422,16 @@ def speed_table(source: str, rows: list[dict]) -> str:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     if rows[0]["case"].endswith("seed(s)"):  # seeds_step: kinds side by side
         kinds = list(dict.fromkeys(r["note"].split(" ", 1)[1] for r in rows))
-        lines = ["| model, precision | seeds | " + " | ".join(kinds) + " | best at once / one after another |",
+        # the last column: a group against its seeds one after another, or (--compile alone) compiled against eager
+        grouped = any("at once" in k for k in kinds)
+        last = "best at once / one after another" if grouped else "compiled / eager"
+        lines = ["| model, precision | seeds | " + " | ".join(kinds) + f" | {last} |",
                  "|---|---:|" + "---:|" * (len(kinds) + 1)]
         for key in dict.fromkeys((r["case"], r["precision"]) for r in rows):
             by = {r["note"].split(" ", 1)[1]: r for r in rows if (r["case"], r["precision"]) == key}
             n = key[0].rsplit(", ", 1)[1].split(" ")[0]
-            best = max((r["ratio"] for k, r in by.items() if "at once" in k), default=None)
+            best = max((r["ratio"] for k, r in by.items() if ("at once" in k) == grouped and k != kinds[0]),
+                       default=None)
             lines.append(f"| {key[0].split(' ')[0]}, {key[1]} | {n} | "
                          + " | ".join(f"{by[k]['rate']:.0f}" if k in by else "" for k in kinds)
                          + (f" | **{best:.2f}x** |" if best is not None else " | |"))

@@ -35,3 +35,23 @@ def test_readme_snippet_runs_and_gives_the_shapes_it_states():
     assert ns["logits"].shape == (2, 10)
     assert len(ns["maps"]) == 12 and all(m.shape == (2, 3, 197, 197) for m in ns["maps"])
     assert len(ns["feats"]) == 4 and all(f.shape == (2, 192, 14, 14) for f in ns["feats"])
+
+
+def user_pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+            *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "journal.md")]
+
+
+def test_no_page_keeps_a_placeholder_where_text_belongs():
+    # a draft's stand-in (a line that is one NAME_TEXT / NAME_TABLE word) must not reach a reader
+    for page in user_pages():
+        left = re.findall(r"^[A-Z][A-Z0-9]*_[A-Z0-9_]+$", page.read_text(), flags=re.M)
+        assert not left, f"{page.relative_to(ROOT)} still has {left}"
+
+
+def test_user_docs_stay_lean():
+    # docs/*.md without the journal: at most 12,000 words, no page over 350 lines (what a newcomer reads)
+    pages = [p for p in user_pages() if p.parent.name == "docs"]
+    assert sum(len(p.read_text().split()) for p in pages) <= 12_000
+    assert [p.name for p in pages if len(p.read_text().splitlines()) > 350] == []
+    assert len(list((ROOT / "docs" / "results").iterdir())) <= 40
