@@ -125,9 +125,10 @@ def test_the_spread_of_each_figure_and_the_means_a_summary_shows():
     assert seeds.spread([0.8, 0.9]) == pytest.approx({"mean": 0.85, "std": 0.0707107, "min": 0.8, "max": 0.9,
                                                       "n": 2}, rel=1e-5)
     assert seeds.spread([0.5])["std"] == 0.0
-    per = [{"final_acc": 0.8, "erf_radius_px": [1.0, 3.0], "preset": "p", "params": 5},
-           {"final_acc": 0.6, "erf_radius_px": [3.0, 5.0], "preset": "p", "params": 5}]
+    per = [{"seed": 0, "final_acc": 0.8, "erf_radius_px": [1.0, 3.0], "preset": "p", "params": 5},
+           {"seed": 1, "final_acc": 0.6, "erf_radius_px": [3.0, 5.0], "preset": "p", "params": 5}]
     s = seeds.summarize(per, (0, 1))
+    assert "seed" not in s and "seed" not in s["spread"]  # a label, not a figure: no seed 0.5
     assert s["final_acc"] == pytest.approx(0.7) and s["erf_radius_px"] == pytest.approx([2.0, 4.0])
     assert s["spread"]["erf_radius_px.1"]["max"] == 5.0 and s["preset"] == "p" and s["params"] == 5
     assert s["per_seed"] == per and s["seeds"] == [0, 1]

@@ -240,9 +240,9 @@ def summarize(per_seed: Sequence[dict], seeds: Sequence[int]) -> dict:
     ``per_seed`` (each seed's own result) and ``spread`` (mean, std, min, max and n of every numeric
     figure, nested ones flattened to ``name.index``)."""
     flat = [_numbers(r) for r in per_seed]
-    stats = {k: spread([f[k] for f in flat]) for k in flat[0] if all(k in f for f in flat)}
+    stats = {k: spread([f[k] for f in flat]) for k in flat[0] if k != "seed" and all(k in f for f in flat)}
     out = {k: per_seed[0][k] if k in SAME_FOR_ALL else mean_tree([r.get(k, v) for r in per_seed])
-           for k, v in per_seed[0].items()}
+           for k, v in per_seed[0].items() if k != "seed"}  # the group has ``seeds``; a mean seed means nothing
     return {**out, "seeds": list(seeds), "per_seed": list(per_seed), "spread": stats}
 
 
