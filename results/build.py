@@ -68,6 +68,7 @@ LR_GROUP = "longrange_both_seeds4_xeon2amx"  # README's long-range command: 4 se
 VIT_10 = ("cifar10_vit_10epochs_h200shared", "cifar10_vit_10epochs_seed1_h200shared")  # today's default
 VIT_10_GROUP = "cifar10_vit_10epochs_seeds4_epyc2bf16"  # README's command: 4 seeds at once, bf16 autocast
 CNN_10_GROUP = "cifar10_cnn_10epochs_seeds4_epyc2bf16"  # the same for the CNN
+BOTH_30_GROUP = "cifar10_both_30min_seeds4_epyc2bf16"  # README's 30-minute command: both models, 4 seeds each, bf16
 CLS_10 = ("cifar10_vit_clstoken_10epochs_h200shared", "cifar10_vit_clstoken_10epochs_seed1_h200shared")
 SPT_LSA_10 = ("cifar10_vit_spt_lsa_10epochs_h200shared",)
 DISTILLED_10 = ("cifar10_vit_distilled_10epochs_h200shared", "cifar10_vit_distilled_10epochs_seed1_h200shared")
@@ -77,7 +78,7 @@ L_10 = ("cifar10_vit_depth9w192_10epochs_h200shared", "cifar10_vit_depth9w192_10
 # README's table: (task, study, {family or 'control': run(s)}); both families of a --model both run share it
 README_ROWS = (
     ("CIFAR-10, 10 epochs", "cifar10", {"vit": VIT_10_GROUP, "cnn": CNN_10_GROUP}),
-    ("CIFAR-10, 30 min", "cifar10", {"vit": "cifar10_vit_30min_xeon2amx", "cnn": "cifar10_cnn_30min_xeon2amx"}),
+    ("CIFAR-10, 30 min per seed", "cifar10", {"vit": BOTH_30_GROUP, "cnn": BOTH_30_GROUP}),
     ("long range (control: a bag of local features)", "long_range",
      {"vit": LR_GROUP, "cnn": LR_GROUP, "control": "longrange_control_3epochs_epyc2x512"}),
 )
@@ -102,8 +103,8 @@ TABLES = {
         ("local features, no positions", "long_range", "longrange_control_3epochs_epyc2x512", "cnn", "control"),
     ),
     "cifar10": (
-        ("30 min", "cifar10", "cifar10_cnn_30min_xeon2amx", "cnn", "small CNN"),
-        ("30 min", "cifar10", "cifar10_vit_30min_xeon2amx", "vit", "ViT, earlier default"),
+        ("30 min per seed, bf16 autocast, 4 seeds at once", "cifar10", BOTH_30_GROUP, "vit", "ViT"),
+        ("30 min per seed, bf16 autocast, 4 seeds at once", "cifar10", BOTH_30_GROUP, "cnn", "small CNN"),
         ("30 min", "cifar10", "cifar10_cnn_30min_epyc2", "cnn", "small CNN"),
         ("10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
         ("10 epochs", "cifar10", ("cifar10_vit_10epochs_xeon2amx", "cifar10_vit_10epochs_seed1_xeon2amx"), "vit",
