@@ -5,8 +5,9 @@ the script builds them: a group of S seeds (``--seeds``, one ``SeedStack`` stepp
 optimiser) in each ``--modes`` way, and S solo runs (``--seed k``), which stand for the same seeds
 trained one after another. Each round times ``steps`` steps of the group and ``steps`` steps of
 every solo run, in rotating order; the figure is the total images/s (all seeds), median over
-rounds, and the group's ratio to the solo runs'. ``--compile`` adds each kind compiled
-(``torch.compile`` of the stepped module, as ``--compile`` does), its first steps off the clock.
+rounds, and the group's ratio to the solo runs'. ``--compile`` adds each kind compiled (the
+stepped module and the update after its backward pass, as ``--compile`` does), its first steps off
+the clock.
 
     python -m benchmarks.seeds_step --data-dir path/to/cifar10 --seeds 1 2 4 --json results.json
     python -m benchmarks.seeds_step --data-dir path/to/cifar10 --models vit --dtypes float32 --compile

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -13,6 +15,13 @@ import pytest
 import torch
 
 import train_cifar as T
+
+
+def have_cxx() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
+
+
+needs_cxx = pytest.mark.skipif(not have_cxx(), reason="inductor needs a C++ compiler (g++/clang++) on CPU")
 
 
 @pytest.fixture(scope="module")

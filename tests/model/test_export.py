@@ -8,11 +8,10 @@ reason when its toolchain (a C++ compiler for inductor, onnx / onnxruntime / onn
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 
 import pytest
 import torch
+from conftest import needs_cxx
 
 import vitattn
 
@@ -36,13 +35,6 @@ def small_cnn() -> torch.nn.Module:
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
     return model
-
-
-def have_cxx() -> bool:
-    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
-
-
-needs_cxx = pytest.mark.skipif(not have_cxx(), reason="inductor needs a C++ compiler (g++/clang++) on CPU")
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -172,18 +172,55 @@ def test_two_process_gloo_run_ends_with_equal_weights(tmp_path, folder, seeds):
     assert summary["models"]["cnn"]["ranks_agree"] is True
 
 
+@pytest.mark.parametrize("kw, at", [(dict(model_ema_decay=0.5, bias_lr_scale=4.0), 12),
+                                   (dict(SMALL_VIT, optimizer="muon", lr=1e-3, seeds="0,1"), 19)],  # a loss per seed
+                         ids=["cnn-sgd-ema", "vit-muon-group"])
+def test_a_compiled_run_trains_as_the_eager_run_and_resumes(tmp_path, folder, monkeypatch, kw, at):
+    """--compile (the model, and the update after its backward pass at a tensor lr) takes the eager
+    run's steps, through a Ctrl-C and a resume. Dynamo's graphs run eagerly here (backend 'eager':
+    seconds, where inductor takes minutes on 2 cores); inductor's update is held to the eager one
+    in test_optim.py, its model in tests/model/test_export.py."""
+    ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: compile_(fn, backend="eager"))
+    calls, cross_entropy = {"n": 0}, classify.F.cross_entropy
+
+    def interrupt_in_epoch_3(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == at:
+            signal.raise_signal(signal.SIGINT)
+        return cross_entropy(*args, **kw)
+
+    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
+    cfg = tiny(tmp_path / "b", folder, epochs=3, compile=True, **kw)
+    assert T.main(cfg)["status"] == "interrupted"
+    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    ck = torch.load(Path(cfg.out) / "checkpoints" / f"{kw.get('model', 'cnn')}.pt", weights_only=True)
+    assert ck["state"]["step_in_epoch"] == 2 and ck["config"]["compile"]
+    groups = ck["optimizer"].get("chain", [ck["optimizer"]])[0]["param_groups"]
+    assert torch.is_tensor(groups[0]["lr"])  # stepped by the compiled update
+    resumed = T.main(T.Config(resume=cfg.out, progress=False))
+    assert resumed["status"] == "ok"
+    want, got = metrics(ref["out"]), metrics(cfg.out)
+    assert [(r["seed"] if "seed" in r else 0, r["step"]) for r in got] == \
+        [(r["seed"] if "seed" in r else 0, r["step"]) for r in want]
+    for a, b in zip(want, got):
+        for k in ("train_loss", "test_loss", "lr"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a, b)
+
+
 def test_compile_time_is_reported_apart_and_kept_off_the_budget(tmp_path, folder, monkeypatch):
     """--compile's first step compiles (minutes on a GPU for a large model): it is not training."""
     class SlowFirstCall(torch.nn.Module):
-        def __init__(self, module):
+        def __init__(self, module, **_):
             super().__init__()
             self.module, self.calls = module, 0
 
-        def forward(self, x):
+        def forward(self, *args):  # the model's forward, and the update after the backward pass
             self.calls += 1
             if self.calls == 1:
                 time.sleep(1.5)  # what compiling costs, in miniature
-            return self.module(x)
+            return self.module(*args)
 
     monkeypatch.setattr(runtime.torch, "compile", SlowFirstCall)
     s = T.main(tiny(tmp_path, folder, epochs=1, compile=True))

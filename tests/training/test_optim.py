@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import needs_cxx
 
 import train_cifar as T
 from vitattn.training.optim import get_lr, param_groups
@@ -200,3 +201,63 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
         opt2.load_state_dict({"chain": state["chain"][:1]})
     with pytest.raises(ValueError, match="needs 2-D weights in blocks"):
         create_optimizer(vitattn.create_model("cnn_quick"), "muon", lr=0.1, weight_decay=0.0)
+
+
+def _update_case(kind: str):
+    """A model, the module its optimiser steps, the lead axes, the optimiser's arguments and a batch."""
+    import vitattn
+    from vitattn.training import seeds
+
+    if kind == "vit-muon":  # Muon on the blocks' matrices, AdamW on the rest
+        torch.manual_seed(0)
+        model = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+        return model, model, 0, dict(opt="muon", lr=1e-3, weight_decay=0.05), torch.randn(8, 3, 16, 16)
+    models = []
+    for k in range(2):
+        torch.manual_seed(k)
+        models.append(vitattn.create_model("cnn_quick", num_classes=10))
+    stack = seeds.SeedStack(models, (0, 1))
+    return stack, stack.module, 1, dict(opt="sgd", lr=0.05, weight_decay=5e-4), torch.randn(2, 8, 3, 32, 32)
+
+
+@needs_cxx
+@pytest.mark.parametrize("kind", ["vit-muon", "cnn-stack-sgd"])
+def test_the_compiled_update_steps_as_the_eager_one(kind):
+    """--compile's update (clipping, the optimiser, the EMA, at a tensor lr, as one compiled
+    function) moves the weights, the EMA and the lr as the eager update does, and a new lr each
+    step compiles nothing new."""
+    from vitattn.training import optim
+
+    lrs, clip, ends = (0.0, 1.0, 3.0, 0.5), 0.1, []  # a warmup starts at 0
+    for compiled in (False, True):
+        model, stepped, lead, kw, x = _update_case(kind)
+        model.train()
+        opt = optim.create_optimizer(stepped, **kw, lead=lead)
+        ema = optim.ModelEma(model, 0.9)
+        update = optim.Update(opt, model, ema, clip, lead) if compiled else None
+        torch.manual_seed(5)
+        y = torch.randint(0, 10, x.shape[:-3])
+        for i, scale in enumerate(lrs):
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten(), reduction="sum") / 8
+            if update is None:
+                optim.set_lr(opt, kw["lr"] * scale)
+                optim.backward_step(loss, opt, torch.amp.GradScaler("cpu", enabled=False), model.parameters(), clip,
+                                    lead)
+                ema.update_parameters(model)
+            else:
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                    update(kw["lr"] * scale)
+        ends.append((model, ema, opt))
+    (eager, eager_ema, _), (comp, comp_ema, opt) = ends
+    for what, want, got in (("", eager, comp), ("EMA ", eager_ema, comp_ema)):
+        for (name, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{what}{name} differs")
+    assert comp_ema.updates == eager_ema.updates == len(lrs)
+    last = kw["lr"] * lrs[-1]
+    assert all(torch.is_tensor(g["lr"]) and g["lr"].item() == pytest.approx(last * g.get("lr_scale", 1.0))
+               for g in opt.param_groups)
+    head = "module." * lead + "head.weight"
+    assert not torch.equal(eager_ema.module.state_dict()[head], eager.state_dict()[head])  # an average, not a copy

@@ -73,7 +73,8 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
                                 "torch.func.vmap, for a GPU) or 'auto' (vmap on CUDA, loop elsewhere)",
                                 choices=("auto", *SEED_MODES))
     bf16: bool = option(False, "alias of --amp --amp-dtype bfloat16")
-    compile: bool = option(False, "torch.compile the model (after DDP wraps it, as PyTorch recommends)")
+    compile: bool = option(False, "torch.compile the training step: the model (after DDP wraps it, as PyTorch "
+                                  "recommends) and the update after its backward pass (clipping, optimiser, EMA)")
     tf32: bool = option(True, "CUDA: TF32 matrix products and convolutions in fp32 runs (timm's default); "
                         "--no-tf32 for exact fp32")
     cudnn_benchmark: bool = option(True, "CUDA: let cuDNN time its convolution algorithms on first use and keep the "

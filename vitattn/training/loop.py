@@ -104,6 +104,7 @@ class Run:
     scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
     precision: str
     ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
+    update: optim.Update | None = None  # --compile: clip, optimiser and EMA as one compiled function
     amp_dtype: torch.dtype | None = None  # the forward passes' autocast precision; None: fp32
     compiling: bool = False  # the next step compiles the model (first step of a session)
     config: dict | None = None  # the run's options, saved with each checkpoint
@@ -160,11 +161,14 @@ def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.O
             ema.load_state_dict(resumed["ema"])
     if not restored:
         torch.manual_seed(group[0] + 17 * ranks.rank)  # each rank's own dropout / drop-path stream
+    # fp16's scaler decides on the host whether to step: its update stays eager
+    update = optim.Update(opt, model, ema, grad_clip, seeds.lead_dims(model)) \
+        if compile and not scaler.is_enabled() else None
     return Run(task=task, model=model, net=runtime.wrap_model(model, ranks, device, compile), opt=opt, lr_at=lr_at,
                grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, checkpoint_path=checkpoint_path,
                device=device, ranks=ranks,
                scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
-               amp_dtype=amp_dtype,
+               update=update, amp_dtype=amp_dtype,
                compiling=compile, config=config, extra=extra or {}, state=state, seeds=tuple(group),
                running=torch.zeros(2, len(group), dtype=torch.float64, device=device))
 
@@ -172,16 +176,24 @@ def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.O
 def train_step(run: Run, batch: Any) -> int:
     """One optimiser step; its loss and hits are added to ``run.running`` on the device, so
     nothing here waits for a GPU. Returns the batch's images."""
-    optim.set_lr(run.opt, run.lr_at(run.progress()))
+    lr = run.lr_at(run.progress())
     # the phases are named for torch.profiler (benchmarks.precision_step --phases); free when it is off
     with record_function("forward"), runtime.autocast(run.device, run.amp_dtype):  # the backward runs as it did
         loss, hits, n = run.task.loss(run.net, batch)
     loss, hits = loss.reshape(-1), hits.reshape(-1)  # one per seed: the seeds' gradients are apart in their sum
-    optim.backward_step(loss.sum(), run.opt, run.scaler, run.model.parameters(), run.grad_clip,
-                        seeds.lead_dims(run.model))
-    if run.ema is not None:
-        with record_function("ema"):
-            run.ema.update_parameters(run.model)
+    if run.update is not None:
+        run.opt.zero_grad(set_to_none=True)
+        with record_function("backward"):
+            loss.sum().backward()
+        with record_function("optimizer"):
+            run.update(lr)
+    else:
+        optim.set_lr(run.opt, lr)
+        optim.backward_step(loss.sum(), run.opt, run.scaler, run.model.parameters(), run.grad_clip,
+                            seeds.lead_dims(run.model))
+        if run.ema is not None:
+            with record_function("ema"):
+                run.ema.update_parameters(run.model)
     # float64 sums of float32 losses are exact, so they do not depend on when they are read
     run.running += torch.stack([loss.detach().double() * n, hits.double()])
     return n

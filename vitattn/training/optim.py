@@ -172,9 +172,12 @@ class Muon(torch.optim.Optimizer):
                 ortho = orthogonalize(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 ortho = ortho[None] if len(idx) == 1 else ortho
                 scale = -lr * muon_lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
-                ps = [params[i] for i in idx]
+                ps, steps = [params[i] for i in idx], [u.to(params[idx[0]].dtype) for u in ortho.unbind(0)]
                 torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
-                torch._foreach_add_(ps, [u.to(ps[0].dtype) for u in ortho.unbind(0)], alpha=scale)
+                if torch.is_tensor(lr):  # the compiled update's lr (``Update``): a tensor cannot be an alpha
+                    steps = torch._foreach_mul(steps, scale)
+                    scale = 1.0
+                torch._foreach_add_(ps, steps, alpha=scale)
         return loss
 
 
@@ -280,8 +283,65 @@ class ModelEma(nn.Module):
                 torch._foreach_copy_(averaged, current)
         self.updates += 1
 
+    def next_weight(self) -> float:
+        """How far the next update moves the average towards the model (1: the first, a copy); counts it."""
+        weight = 1.0 - ema_decay_at(self.decay, self.updates) if self.updates > 0 else 1.0
+        self.updates += 1
+        return weight
+
     def get_extra_state(self) -> dict:
         return {"updates": self.updates}
 
     def set_extra_state(self, state: dict) -> None:
         self.updates = int(state["updates"])
+
+
+class Update:
+    """What a training step does after its backward pass, compiled as one graph (``torch.compile``):
+    gradient clipping, the optimiser's step (Muon's Newton-Schulz batched by shape) and the EMA's
+    update. The lr and the EMA's weight are device tensors the host writes each step, so a new lr
+    neither recompiles the graph (a float would be a constant of it) nor waits for a GPU.
+
+    The same update as ``backward_step``'s second half and ``ModelEma.update_parameters`` (tested
+    equal, tests/training/test_optim.py); not for fp16, whose loss scaler decides on the host
+    whether to step. ``call(lr)`` after ``loss.backward()``.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer | OptimizerChain, model: nn.Module, ema: ModelEma | None = None,
+                 grad_clip: float = 0.0, lead: int = 0) -> None:
+        device = next(model.parameters()).device
+        self.opt, self.ema, self.grad_clip, self.lead = opt, ema, grad_clip, lead
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.lr, self.ema_weight = torch.zeros((), device=device), torch.ones((), device=device)
+        for g in opt.param_groups:  # each group's lr a tensor too: the graph reads it, the host never
+            g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        for o in getattr(opt, "optimizers", (opt,)):  # the momentum a first step would make: one state to trace
+            if isinstance(o, (Muon, torch.optim.SGD)):  # (AdamW's is made as torch.compile traces it)
+                for p in (p for g in o.param_groups if g["momentum"] > 0 for p in g["params"]):
+                    o.state[p].setdefault("momentum_buffer", torch.zeros_like(p))  # 0 * momentum + grad: the same
+        self.pairs = [] if ema is None else list(zip([*ema.module.parameters(), *ema.module.buffers()],
+                                                     [*model.parameters(), *model.buffers()]))
+        # static shapes, which never change here: a second update in one process (--model both) would
+        # recompile with symbolic ones, and dynamo fails on those ("sources must not be empty for symbol")
+        self.step = torch.compile(self._update, dynamic=False)
+
+    @torch.no_grad()
+    def _update(self) -> None:
+        for g in self.opt.param_groups:
+            g["lr"].copy_(self.lr * g.get("lr_scale", 1.0))
+        if self.grad_clip > 0:
+            clip_grad_norm_(self.params, self.grad_clip, self.lead)
+        self.opt.step()
+        for averaged, current in self.pairs:  # lerp by 1 is an exact copy: the first update needs no branch
+            if averaged.is_floating_point():
+                averaged.lerp_(current, self.ema_weight)
+            else:
+                averaged.copy_(current)
+
+    def __call__(self, lr: float) -> None:
+        # a warmup's lr 0 gives torch's compiled AdamW NaNs where a gradient is 0 (pytorch#126514); a
+        # smallest normal float moves no weight (zeros by 1e-38 at most)
+        self.lr.fill_(max(lr, torch.finfo(torch.float32).tiny))
+        if self.ema is not None:
+            self.ema_weight.fill_(self.ema.next_weight())
+        self.step()
