@@ -26,9 +26,10 @@ Steps (``--steps``), each one line ``PASS|FAIL|SKIP name: measured vs bound``; t
    each own a GPU, so the check is the refusal: the second rank's one line naming the GPU count.
 5. ``seeds``: ``benchmarks.seeds_step`` on both models, one seed against ``SEEDS`` (8) at once
    (``--seed-batching vmap``), eager and compiled, in the first dtype, each as a share of the
-   card's bf16 peak (an 8192^3 bf16 product timed in the same call). Pass: ``TARGETS`` (images/s:
-   CNN solo 100,000, airbench's class; ViT solo 25,000 and 80,000 over 8 seeds), the best of
-   eager and compiled.
+   card's bf16 peak (an 8192^3 bf16 product timed in the same call), and each profiled: how busy
+   the card was, kernel launches, the top kernels (what holds a step back). Pass: ``TARGETS``
+   (images/s: CNN solo 100,000, airbench's class; ViT solo 25,000 and 80,000 over 8 seeds), the best
+   of eager and compiled.
 6. ``step``: the main job's own step of its CIFAR-10 ViT (``vitattn.training.loop.train_step``: Muon,
    augmentation, normalisation, label smoothing, EMA) in the first dtype, interleaved with it on
    timm's ``VisionTransformer`` of the same shape and weights. Pass: vitattn's images/s at least
@@ -265,7 +266,8 @@ def seeds(args, work: Path, report: dict) -> dict:
                        "cpu" if args.device == "auto" else args.device)
     n = 2 if args.quick else SEEDS
     argv = ["--device", str(dev), "--dtypes", args.dtypes[0], "--seeds", "1", str(n), "--modes", "vmap",
-            "--repeats", "1" if args.quick else "3", "--steps", "1" if args.quick else "10"]
+            "--repeats", "1" if args.quick else "3", "--steps", "1" if args.quick else "10",
+            "--profile", "1" if args.quick else "5"]
     argv += [] if args.quick else ["--compile"]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
@@ -279,6 +281,9 @@ def seeds(args, work: Path, report: dict) -> dict:
         key = (r["model"], r["seeds"])
         best[key] = max(best.get(key, 0.0), r["img_per_s"])
     measured = ", ".join(f"{m} x{k}: {v:.0f} img/s" for (m, k), v in best.items())
+    busy = [f"{r['model']} x{r['seeds']} {r['kind'].split(' ', 1)[1]} {d['busy_share_of_timed_step']:.0%}"
+            for r in rows if (d := r["profile"].get("device"))]
+    measured += f"; GPU busy: {', '.join(busy)}" if busy else ""
     if args.quick:
         return verdict(True, measured, "targets not applied with --quick")
     missed = [f"{m} x{k} {best.get((m, k), 0):.0f} < {t}" for (m, k), t in TARGETS.items() if best.get((m, k), 0) < t]

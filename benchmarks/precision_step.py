@@ -46,11 +46,36 @@ def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512)
 PHASES = ("data", "forward", "backward", "optimizer", "ema")
 
 
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's activity types of what a GPU runs
+
+
+def device_profile(events, steps: int, wall_ms: float, top: int = 8) -> dict:
+    """What a GPU did over ``steps`` profiled steps (``events``: kineto's, as
+    ``prof.profiler.kineto_results.events()`` gives them): its busy time per step and its share of
+    the wall time (low: the host, launching, holds it back), kernels and launches per step (a CUDA
+    graph is one launch of many kernels), and the ``top`` kernels by time."""
+    busy: dict[str, float] = {}
+    kernels = launches = 0
+    for e in events:
+        kind = e.activity_type()
+        if kind in DEVICE_WORK:
+            busy[e.name()] = busy.get(e.name(), 0.0) + e.duration_ns() / 1e6 / steps
+            kernels += kind == "kernel"
+        elif kind in ("cuda_runtime", "cuda_driver") and "Launch" in e.name():
+            launches += 1
+    ms = sum(busy.values())
+    return {"device_ms_per_step": ms, "device_busy_share": ms / wall_ms, "kernels_per_step": kernels / steps,
+            "launches_per_step": launches / steps,
+            "top_ms_per_step": dict(sorted(busy.items(), key=lambda kv: -kv[1])[:top])}
+
+
 def phase_profile(run: loop.Run, batches, steps: int) -> dict:
     """Milliseconds per step of each phase of ``steps`` profiled steps (the rest: what no phase
-    names), and the kernel's share of the process's CPU time over them."""
+    names), and the kernel's share of the process's CPU time over them; on a GPU also
+    ``device_profile``'s figures."""
+    cuda = run.device.type == "cuda"
     r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for _ in range(steps):
             with record_function("data"):
                 batch = next(batches)
@@ -60,7 +85,10 @@ def phase_profile(run: loop.Run, batches, steps: int) -> dict:
     ms = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key in PHASES}
     ms["rest"] = wall_ms - sum(ms.values())
     sys_s = r1.ru_stime - r0.ru_stime
-    return {"ms_per_step": ms, "wall_ms_per_step": wall_ms, "sys_share": sys_s / (sys_s + r1.ru_utime - r0.ru_utime)}
+    out = {"ms_per_step": ms, "wall_ms_per_step": wall_ms, "sys_share": sys_s / (sys_s + r1.ru_utime - r0.ru_utime)}
+    if cuda:
+        out["device"] = device_profile(prof.profiler.kineto_results.events(), steps, wall_ms)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,7 +7,8 @@ trained one after another. Each round times ``steps`` steps of the group and ``s
 every solo run, in rotating order; the figure is the total images/s (all seeds), median over
 rounds, and the group's ratio to the solo runs'. ``--compile`` adds each kind compiled (the
 stepped module and the update after its backward pass, as ``--compile`` does), its first steps off
-the clock.
+the clock. ``--profile N`` then profiles N steps of each kind's first run
+(``precision_step.phase_profile``; on a GPU: how busy the card was, launches, top kernels).
 
     python -m benchmarks.seeds_step --data-dir path/to/cifar10 --seeds 1 2 4 --json results.json
     python -m benchmarks.seeds_step --data-dir path/to/cifar10 --models vit --dtypes float32 --compile
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.precision_step import phase_profile
 from vitattn.training import classify, loop, runtime
 from vitattn.training.runtime import Dist, native_bf16
 
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="steps per timed block")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N steps of each kind")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     runtime.keep_freed_memory()  # as the scripts' --malloc keep
@@ -104,6 +107,16 @@ def main(argv: list[str] | None = None) -> dict:
                            "vs_sequential": ref / statistics.median(ts), "block_s": ts}
                     result["rows"].append(row)
                     print(f"{fam} {d} {k}: {row['img_per_s']:.0f} img/s ({row['vs_sequential']:.2f}x)", flush=True)
+                    if args.profile:
+                        row["profile"] = prof = phase_profile(*kinds[k][0], args.profile)
+                        line = ", ".join(f"{p} {v:.1f}" for p, v in prof["ms_per_step"].items())
+                        if "device" in prof:  # its share of the step as timed above, not as profiled
+                            dev_ms = prof["device"]["device_ms_per_step"]
+                            step_ms = 1e3 * n * batch / len(kinds[k]) / row["img_per_s"]  # S solo runs or a group
+                            prof["device"]["busy_share_of_timed_step"] = share = dev_ms / step_ms
+                            line += (f"; GPU busy {dev_ms:.1f} of {step_ms:.1f} ms/step ({share:.0%}), "
+                                     f"{prof['device']['launches_per_step']:.0f} launches/step")
+                        print(f"  profile, ms/step: {line}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

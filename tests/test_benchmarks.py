@@ -56,3 +56,40 @@ def test_every_benchmark_imports_as_run_by_python_m():
     r = subprocess.run([sys.executable, "-m", "benchmarks.seeds_step", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_gpu_profile_counts_the_cards_work_and_launches_per_step():
+    """``precision_step.device_profile`` reads kineto's events as torch gives them: a stand-in with
+    the real events' methods (checked on a CPU profile), and the activity types kineto gives a
+    GPU's work and its launches (torch/profiler/_chrome_trace_export.py)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.precision_step import device_profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4) @ torch.ones(4)
+    real = next(iter(prof.profiler.kineto_results.events()))
+    assert isinstance(real.activity_type(), str) and isinstance(real.name(), str) and real.duration_ns() >= 0
+
+    class Event:
+        def __init__(self, kind: str, name: str, ms: float):
+            self.kind, self.label, self.ns = kind, name, int(ms * 1e6)
+
+        def activity_type(self):
+            return self.kind
+
+        def name(self):
+            return self.label
+
+        def duration_ns(self):
+            return self.ns
+
+    events = [Event("cpu_op", "aten::mm", 5.0), Event("cuda_runtime", "cudaLaunchKernel", 0.01),
+              Event("cuda_driver", "cuLaunchKernel", 0.01), Event("cuda_runtime", "cudaStreamSynchronize", 9.0),
+              Event("kernel", "gemm", 3.0), Event("kernel", "gemm", 1.0), Event("kernel", "softmax", 1.0),
+              Event("gpu_memcpy", "Memcpy HtoD", 1.0), Event("gpu_user_annotation", "forward", 6.0)]
+    d = device_profile(events, steps=2, wall_ms=10.0)
+    assert d["device_ms_per_step"] == 3.0 and d["device_busy_share"] == 0.3  # (3 + 1 + 1 + 1) ms over 2 steps
+    assert d["kernels_per_step"] == 1.5 and d["launches_per_step"] == 1.0
+    assert list(d["top_ms_per_step"].items()) == [("gemm", 2.0), ("softmax", 0.5), ("Memcpy HtoD", 0.5)]
