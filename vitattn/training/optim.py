@@ -2,10 +2,12 @@
 norms and position tables (timm's ``lr_scale`` per group), our own Muon (``torch.optim.Muon``'s
 steps with its Newton-Schulz in fp32 on a CPU), the chain that steps Muon and AdamW as one, the
 learning-rate schedule (a pure function of how far the run is, nanoGPT's ``get_lr``), the
-backward-and-step of a training loop and an EMA of the weights.
+backward-and-step of a training loop, an EMA of the weights, and ``--compile``'s ``Update``
+(clipping, optimiser and EMA compiled as one function at a tensor lr).
 
 References: Jordan et al. 2024 (Muon); airbench94 (bias lr scale); timm
-(``param_groups_weight_decay``, ``ModelEmaV3``).
+(``param_groups_weight_decay``, ``ModelEmaV3``); torch's "compiled optimizer with an LR
+scheduler" recipe (the lr as a tensor).
 """
 
 from __future__ import annotations
@@ -297,14 +299,15 @@ class ModelEma(nn.Module):
 
 
 class Update:
-    """What a training step does after its backward pass, compiled as one graph (``torch.compile``):
+    """What a training step does after its backward pass, as one compiled function (``torch.compile``):
     gradient clipping, the optimiser's step (Muon's Newton-Schulz batched by shape) and the EMA's
-    update. The lr and the EMA's weight are device tensors the host writes each step, so a new lr
-    neither recompiles the graph (a float would be a constant of it) nor waits for a GPU.
+    update (torch's optimisers split it into a few graphs at their ``step``, on purpose). The lr
+    and the EMA's weight are device tensors the host writes each step, so a new lr neither
+    recompiles a graph (a float would be a constant of it) nor waits for a GPU.
 
     The same update as ``backward_step``'s second half and ``ModelEma.update_parameters`` (tested
     equal, tests/training/test_optim.py); not for fp16, whose loss scaler decides on the host
-    whether to step. ``call(lr)`` after ``loss.backward()``.
+    whether to step. Call it with the step's lr after ``loss.backward()``.
     """
 
     def __init__(self, opt: torch.optim.Optimizer | OptimizerChain, model: nn.Module, ema: ModelEma | None = None,
