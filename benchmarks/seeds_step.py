@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
               "command": " ".join(["python -m benchmarks.seeds_step", *sys.argv[1:]]), "rows": []}
     out = Path(tempfile.mkdtemp())
     compiled = [False, True] if args.compile else [False]
+    # each solo run stands for a process of its own; in one process their optimisers' steps, one
+    # compiled frame, would pass dynamo's limit of 8 compilations and run eagerly from the 9th on
+    torch._dynamo.config.recompile_limit = 64
     for fam in args.models:
         for d in args.dtypes:
             amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
