@@ -204,24 +204,29 @@ def test_muon_takes_the_block_matrices_adamw_the_rest_and_the_chain_resumes_exac
 
 
 def _update_case(kind: str):
-    """A model, the module its optimiser steps, the lead axes, the optimiser's arguments and a batch."""
+    """A model (one, or a stack of two seeds), the module its optimiser steps, the lead axes, the
+    optimiser's arguments and a batch."""
     import vitattn
     from vitattn.training import seeds
 
-    if kind == "vit-muon":  # Muon on the blocks' matrices, AdamW on the rest
-        torch.manual_seed(0)
-        model = vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10)
-        return model, model, 0, dict(opt="muon", lr=1e-3, weight_decay=0.05), torch.randn(8, 3, 16, 16)
-    models = []
-    for k in range(2):
-        torch.manual_seed(k)
-        models.append(vitattn.create_model("cnn_quick", num_classes=10))
-    stack = seeds.SeedStack(models, (0, 1))
-    return stack, stack.module, 1, dict(opt="sgd", lr=0.05, weight_decay=5e-4), torch.randn(2, 8, 3, 32, 32)
+    cnn, size = kind.startswith("cnn"), 32 if kind.startswith("cnn") else 16
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return vitattn.create_model("cnn_quick", num_classes=10) if cnn else \
+            vitattn.ViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+
+    # the ViT: Muon on the blocks' matrices, AdamW on the rest
+    kw = dict(opt="sgd", lr=0.05, weight_decay=5e-4) if cnn else dict(opt="muon", lr=1e-3, weight_decay=0.05)
+    if "stack" not in kind:
+        model = build(0)
+        return model, model, 0, kw, torch.randn(8, 3, size, size)
+    stack = seeds.SeedStack([build(0), build(1)], (0, 1))
+    return stack, stack.module, 1, kw, torch.randn(2, 8, 3, size, size)
 
 
 @needs_cxx
-@pytest.mark.parametrize("kind", ["vit-muon", "cnn-stack-sgd"])
+@pytest.mark.parametrize("kind", ["vit-muon", "vit-stack-muon", "cnn-stack-sgd"])
 def test_the_compiled_update_steps_as_the_eager_one(kind):
     """--compile's update (clipping, the optimiser, the EMA, at a tensor lr, as one compiled
     function) moves the weights, the EMA and the lr as the eager update does, and a new lr each
