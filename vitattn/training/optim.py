@@ -174,7 +174,8 @@ class Muon(torch.optim.Optimizer):
                 ortho = orthogonalize(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 ortho = ortho[None] if len(idx) == 1 else ortho
                 scale = -lr * muon_lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
-                ps, steps = [params[i] for i in idx], [u.to(params[idx[0]].dtype) for u in ortho.unbind(0)]
+                ps = [params[i] for i in idx]
+                steps = [u.to(ps[0].dtype) for u in ortho.unbind(0)]
                 torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
                 if torch.is_tensor(lr):  # the compiled update's lr (``Update``): a tensor cannot be an alpha
                     steps = torch._foreach_mul(steps, scale)
@@ -270,20 +271,24 @@ class ModelEma(nn.Module):
         self.module = copy.deepcopy(model).requires_grad_(False)
         self.decay, self.updates = decay, 0
 
+    def pairs(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each averaged tensor (parameters, then buffers) with the model's it follows."""
+        return list(zip([*self.module.parameters(), *self.module.buffers()],
+                        [t.detach() for t in (*model.parameters(), *model.buffers())]))
+
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
-        pairs = list(zip([*self.module.parameters(), *self.module.buffers()], [*model.parameters(), *model.buffers()]))
         by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-        for averaged, current in pairs:
+        for averaged, current in self.pairs(model):
             group = by_dtype.setdefault(averaged.dtype, ([], []))
             group[0].append(averaged)
-            group[1].append(current.detach())
+            group[1].append(current)
+        weight = self.next_weight()
         for dtype, (averaged, current) in by_dtype.items():
-            if dtype.is_floating_point and self.updates > 0:
-                torch._foreach_lerp_(averaged, current, 1.0 - ema_decay_at(self.decay, self.updates))
+            if dtype.is_floating_point and weight < 1.0:
+                torch._foreach_lerp_(averaged, current, weight)
             else:
                 torch._foreach_copy_(averaged, current)
-        self.updates += 1
 
     def next_weight(self) -> float:
         """How far the next update moves the average towards the model (1: the first, a copy); counts it."""
@@ -322,8 +327,7 @@ class Update:
             if isinstance(o, (Muon, torch.optim.SGD)):  # (AdamW's is made as torch.compile traces it)
                 for p in (p for g in o.param_groups if g["momentum"] > 0 for p in g["params"]):
                     o.state[p].setdefault("momentum_buffer", torch.zeros_like(p))  # 0 * momentum + grad: the same
-        self.pairs = [] if ema is None else list(zip([*ema.module.parameters(), *ema.module.buffers()],
-                                                     [*model.parameters(), *model.buffers()]))
+        self.pairs = [] if ema is None else ema.pairs(model)
         # static shapes, which never change here: a second update in one process (--model both) would
         # recompile with symbolic ones, and dynamo fails on those ("sources must not be empty for symbol")
         self.step = torch.compile(self._update, dynamic=False)
