@@ -44,11 +44,11 @@ def main(config: Config) -> dict:
         cfg, dev, log = s.cfg, s.device, s.log
         group = cfg.seed_list()  # several: one copy of each model per seed, trained as one (--seeds)
         # everything is checked before the run folder is written: data, models, checkpoints, options
-        datasets = classify.load_datasets(cfg, dev)  # one per seed: the long-range task is drawn from it
-        ds = datasets[0]
+        ds = classify.load_dataset(cfg.for_seed(group[0]), dev)
+        classify.check_memory(cfg, ds, dev, s.ranks.world)  # a group that cannot fit: refused before it is built
+        datasets = classify.load_datasets(cfg, dev, first=ds)  # one per seed: the long-range task is drawn from it
         models = {fam: classify.build_models(fam, cfg, datasets, dev, s.ranks.world) for fam in cfg.models()}
         teachers = classify.load_teachers(cfg, datasets, dev) if cfg.teacher else None
-        classify.check_memory(cfg, models, datasets, dev, s.ranks.world)
         resumed = {fam: s.checkpoint(fam, m, UNCHECKED_ON_RESUME) for fam, m in models.items()}
         s.begin()
         log(f"data: {ds.data.source}: {len(ds.data.train_x)} train / {len(ds.data.test_x)} test images, "

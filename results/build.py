@@ -335,20 +335,61 @@ def epoch_rows(name: str, summary: dict, lines: list[dict]) -> list[dict]:
     return rows
 
 
-def add_run(folder: Path, name: str) -> None:
+class Refused(Exception):
+    """An input ``--add`` will not take: one line, exit 2, nothing written."""
+
+
+def read_run(folder: Path) -> tuple[dict, list[dict]]:
+    """A finished train_cifar.py run's summary and metrics lines, each read whole, or ``Refused``."""
+    from vitattn.training.errors import CheckpointError
+    from vitattn.training.runfolder import METRICS_KEYS, read_jsonl
+
+    if not folder.is_dir():
+        raise Refused(f"{folder}: no such run folder")
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except FileNotFoundError:
+        raise Refused(f"{folder}: no summary.json; the run has not finished (resume it first)") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise Refused(f"{folder}/summary.json is not whole JSON ({e}); a crash cut it: resume the run to rewrite "
+                      "it") from None
+    if not isinstance(summary, dict) or not {"status", "config", "models", "dataset"} <= set(summary):
+        raise Refused(f"{folder}/summary.json is not a train_cifar.py summary (expected status, config, models and "
+                      "dataset)")
+    if summary["status"] != "ok":
+        raise Refused(f"{folder}: the run did not finish (status {summary['status']!r}); resume it first")
+    try:
+        lines = read_jsonl(folder / "metrics.jsonl", METRICS_KEYS)
+    except FileNotFoundError:
+        raise Refused(f"{folder}: no metrics.jsonl") from None
+    except CheckpointError as e:
+        raise Refused(str(e)) from None
+    return summary, lines
+
+
+def add_run(folder: Path, name: str, replace: bool = False) -> None:
     """Take the finished run in ``folder`` in as ``name``: its summary into ``runs.json``, its
-    metrics lines into ``epochs.csv`` (a run of that name already there is replaced)."""
-    summary = json.loads((folder / "summary.json").read_text())
-    if summary.get("status") != "ok":
-        raise SystemExit(f"{folder}: the run did not finish (status {summary.get('status')!r}); finish it first")
+    metrics lines into ``epochs.csv``. Everything is read and its rows made before either file
+    is written (each atomically); a name already kept is refused unless ``replace``."""
+    from vitattn.training.runfolder import write_text_atomic
+
     if machine(name) == "unknown":
-        raise SystemExit(f"{name}: the name must end in a machine tag, one of {', '.join(MACHINES)}")
-    lines = [json.loads(s) for s in (folder / "metrics.jsonl").read_text().splitlines() if s.strip()]
+        raise Refused(f"{name}: the name must end in a machine tag, one of {', '.join(MACHINES)}")
+    summary, lines = read_run(Path(folder))
     kept = json.loads(RUNS.read_text()) if RUNS.exists() else {}
+    if name in kept and not replace:
+        raise Refused(f"{name} is already a kept run (docs/results/runs.json); choose another name, or --replace it")
+    try:
+        rows = epoch_rows(name, summary, lines)  # also each model's row and command: what the tables will need
+    except SystemExit as e:
+        raise Refused(f"{folder}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise Refused(f"{folder}: its summary or metrics lack what a table row needs ({type(e).__name__}: {e})") \
+            from None
     kept[name] = {k: v for k, v in summary.items() if k != "out"}
-    RUNS.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
     old = list(csv.DictReader(open(EPOCHS))) if EPOCHS.exists() else []
-    EPOCHS.write_text(to_csv([r for r in old if r["run"] != name] + epoch_rows(name, summary, lines), EPOCH_COLUMNS))
+    write_text_atomic(EPOCHS, to_csv([r for r in old if r["run"] != name] + rows, EPOCH_COLUMNS))
+    write_text_atomic(RUNS, json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
 
 
 def seeds_cell(seeds: list[int]) -> str:
@@ -613,9 +654,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="only say whether the outputs are up to date")
     p.add_argument("--add", nargs=2, metavar=("RUN", "NAME"), help="take a finished run folder in as NAME "
                    "(<study>_<model>_<what differs>_<epochs or budget>_<machine>), then build")
+    p.add_argument("--replace", action="store_true", help="with --add: replace a kept run of that name")
     a = p.parse_args(argv)
     if a.add:
-        add_run(Path(a.add[0]), a.add[1])
+        try:
+            add_run(Path(a.add[0]), a.add[1], a.replace)
+        except Refused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     stale = []
     epochs = list(csv.DictReader(open(EPOCHS)))
     for name, (title, lines) in FIGURES.items():  # PNG bytes vary with matplotlib's version: --check wants them there

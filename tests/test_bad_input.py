@@ -146,6 +146,41 @@ def test_a_failure_mid_run_is_one_line_with_the_way_to_resume(tmp_path, folder, 
     assert "Traceback" not in err
 
 
+def test_a_failure_hint_names_only_a_folder_that_was_made(tmp_path, folder, capsys, monkeypatch):
+    """Before the run folder exists there is nothing to resume; with no --out the hint names the
+    folder the run did make (runs/<time>)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(T.classify, "check_memory", broken)  # fails before the folder is written
+    out = tmp_path / "run"
+    argv = ["--data-dir", str(folder), "--model", "cnn", "--batch-size", "12", "--no-progress", "--no-plots"]
+    assert T.command_line([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "nothing was written" in err and "--resume" not in err and not out.exists(), err
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "end_epoch", broken)
+    monkeypatch.chdir(tmp_path)
+    assert T.command_line(argv) == 1
+    err = capsys.readouterr().err
+    made = [p for p in (tmp_path / "runs").iterdir()]
+    assert len(made) == 1 and f"--resume {Path('runs') / made[0].name}" in err, err
+
+
+@pytest.mark.parametrize("damage", ["not json {", "[1, 2]", '{"no": "model"}'])
+def test_a_damaged_metrics_line_is_named_on_resume_and_nothing_is_changed(tmp_path, folder, capsys, damage):
+    cfg = tiny(tmp_path, folder, epochs=2)
+    T.main(cfg)
+    run = Path(cfg.out)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], damage, *lines[1:]]) + "\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    err = refused(capsys, ["--resume", run], "metrics.jsonl line 2")
+    assert "--resume" not in err.split("metrics.jsonl line 2", 1)[1].split(";")[0]
+    assert len(err.strip().splitlines()) == 1 and "delete" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_a_config_json_edited_after_its_checkpoint_is_refused_on_resume(tmp_path, folder, capsys):
     cfg = tiny(tmp_path, folder, epochs=1)
     T.main(cfg)
@@ -267,10 +302,44 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, folder, capsys):
     (lambda: vitattn.create_model("cnn_longrange", dirac_init=1), TypeError, "dirac_init must be true or false"),
     (lambda: vitattn.list_models(5), TypeError, "shell-style pattern"),
     (lambda: vitattn.to_timm(vitattn.create_model("cnn_quick")), TypeError, "takes a vitattn ViT"),
+    (lambda: vitattn.create_model("vit_quick", img_size=32, patch_size=5), ValueError,
+     r"img_size \(32, 32\) is not divisible by patch_size \(5, 5\)"),
+    (lambda: vitattn.create_model("vit_quick").forward_intermediates(torch.zeros(1, 3, 32, 32), indices="10"),
+     TypeError, "indices must be None, a whole number"),
+    (lambda: vitattn.create_model("vit_quick").forward_intermediates(torch.zeros(1, 3, 32, 32), indices=[1.5]),
+     TypeError, "whole layer indices, got \\[1.5\\]"),
+    (lambda: vitattn.create_model("cnn_quick").forward_intermediates(torch.zeros(1, 3, 32, 32), indices=True),
+     TypeError, "indices must be None"),
+    (lambda: vitattn.create_model("cnn_quick", features_only=True, out_indices=[0.0]), TypeError,
+     "whole layer indices"),
+    (lambda: vitattn.create_model("cnn_quick").eval()(torch.zeros(2, 3, 6, 6)), ValueError,
+     "images of 6x6 are too small: each stage halves the map, so this network needs at least 8x8"),
+    (lambda: vitattn.create_model("cnn_cifar10").eval()(torch.zeros(2, 3, 8, 8)), ValueError, "at least 9x9"),
 ])
 def test_library_arguments_are_checked_where_they_enter(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+@pytest.mark.parametrize("name", [n for n in vitattn.list_models() if vitattn.registry.PRESETS[n][0] != "vit"])
+def test_a_conv_net_takes_its_smallest_image_and_names_one_pixel_less(name):
+    model = vitattn.create_model(name).eval()
+    n = getattr(model, "min_size", 1)
+    with torch.no_grad():
+        assert model(torch.zeros(2, 3, n, n)).shape == (2, model.num_classes)
+        assert len(model.forward_intermediates(torch.zeros(2, 3, n, n), intermediates_only=True)) >= 2
+    if n > 1:
+        with pytest.raises(ValueError, match=f"at least {n}x{n}"):
+            model(torch.zeros(2, 3, n - 1, n + 5))
+
+
+def test_layer_indices_may_be_numpy_or_0_d_tensor_integers():
+    model = vitattn.create_model("vit_quick").eval()
+    x = torch.zeros(1, 3, 32, 32)
+    want = model.forward_intermediates(x, indices=[1, 3], intermediates_only=True)
+    for idx in (np.array([1, 3]), [np.int64(1), torch.tensor(3)], (1, 3)):
+        got = model.forward_intermediates(x, indices=idx, intermediates_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("call, error, message", [

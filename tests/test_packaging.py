@@ -58,7 +58,7 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
     loaded, on_use = out.stdout.splitlines()
     models = {"attention", "block", "bof", "cnn", "constants", "contract", "features", "helpers", "init", "patch_embed",
               "pos_embed",
-              "registry", "scores", "timm_compat", "vit", "window"}
+              "registry", "scores", "timm_compat", "vit", "weights", "window"}
     assert set(ast.literal_eval(loaded)) == {f"vitattn.{m}" for m in models}  # no data, training, report, vitdet
     assert on_use == "True"
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -90,3 +92,57 @@ def test_every_epoch_row_belongs_to_a_kept_run_and_each_kept_run_has_its_epochs(
     assert {r["run"] for r in rows} == set(runs)
     for r in rows:
         assert r["model"] in runs[r["run"]]["models"] and 0 <= float(r["test_acc"]) <= 1, r["run"]
+
+
+def test_add_refuses_a_run_it_cannot_take_in_one_line_and_writes_nothing(tmp_path, folder, capsys, monkeypatch):
+    """results.build --add: a missing, unfinished, half-written or damaged run, a name without a
+    machine tag and a name already kept are each refused (exit 2, one line, no traceback) before
+    runs.json or epochs.csv changes; a good run goes in, and --replace replaces it."""
+    from conftest import tiny
+
+    import train_cifar as T
+    from results import build
+
+    runs, epochs = tmp_path / "runs.json", tmp_path / "epochs.csv"
+    runs.write_text((ROOT / "docs" / "results" / "runs.json").read_text())
+    epochs.write_text((ROOT / "results" / "epochs.csv").read_text())
+    monkeypatch.setattr(build, "RUNS", runs)
+    monkeypatch.setattr(build, "EPOCHS", epochs)
+    good = Path(T.main(tiny(tmp_path / "good", folder, epochs=1))["out"])
+    name = "cifar10_cnn_tiny_1epoch_epyc2"
+
+    def broken(what: str) -> Path:
+        copy = tmp_path / what.replace(" ", "_")
+        subprocess.run(["cp", "-r", str(good), str(copy)], check=True)
+        return copy
+
+    cut = broken("cut summary")
+    (cut / "summary.json").write_text((good / "summary.json").read_text()[:100])
+    stopped = broken("stopped")
+    (stopped / "summary.json").write_text(json.dumps({**json.loads((good / "summary.json").read_text()),
+                                                      "status": "interrupted"}))
+    unfinished = broken("unfinished")
+    (unfinished / "summary.json").unlink()
+    damaged = broken("damaged metrics")
+    (damaged / "metrics.jsonl").write_text("{cut\n" + (good / "metrics.jsonl").read_text())
+    gone = broken("gone option")
+    (gone / "summary.json").write_text(json.dumps({**json.loads((good / "summary.json").read_text()),
+                                                   "config": {**json.loads((good / "summary.json").read_text())[
+                                                       "config"], "an_old_option": 3}}))
+    kept = next(iter(json.loads(runs.read_text())))
+    cases = [(tmp_path / "nowhere", name, "no such run folder"), (cut, name, "not whole JSON"),
+             (stopped, name, "did not finish"), (unfinished, name, "no summary.json"),
+             (damaged, name, "metrics.jsonl line 1 is damaged"), (gone, name, "no longer has (an_old_option)"),
+             (good, "cifar10_cnn_no_machine", "must end in a machine tag"), (good, kept, "already a kept run")]
+    before = runs.read_bytes(), epochs.read_bytes()
+    for run, n, message in cases:
+        assert build.main(["--add", str(run), n]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert (runs.read_bytes(), epochs.read_bytes()) == before, message
+    build.add_run(good, name)
+    assert name in json.loads(runs.read_text()) and name in epochs.read_text()
+    with pytest.raises(build.Refused, match="already a kept run"):
+        build.add_run(good, name)
+    build.add_run(good, name, replace=True)
+    assert sum(r["run"] == name for r in csv.DictReader(open(epochs))) == 1

@@ -18,6 +18,9 @@ config through each block: a score function by name (:mod:`vitattn.scores`: ``do
 mechanisms*), widths, biases, dropout and window attention (:mod:`vitattn.window`). Masks, the patch
 grid and rotary position codes (:func:`vitattn.pos_embed.rotate_qk`) are arguments of the call.
 
+Masks are boolean, True where a query may attend to a key, with torch's SDPA's meaning on every
+path: a query whose keys are all masked gets zero weights and a zero output before ``proj``.
+
 Two paths compute the same thing and tests hold them equal: the fused kernel
 (``F.scaled_dot_product_attention``, used for dot / scaled_dot / general when weights are not
 asked for) and the explicit ``softmax(score) @ v``, which also returns the weights. The fused
@@ -61,8 +64,14 @@ CPU_BF16_PLAIN_MAX_KEYS = {"train": 600, "infer": 100}
 
 
 def masked_softmax(s: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scores ``(B, heads, Nq, Nk)`` -> weights over the keys, zero where ``mask`` is False."""
-    return (s if mask is None else s.masked_fill(~mask, float("-inf"))).softmax(dim=-1)
+    """Scores ``(B, heads, Nq, Nk)`` -> weights over the keys, zero where ``mask`` is False. A query
+    whose keys are all masked gets all-zero weights, as torch's SDPA gives it (a softmax over
+    nothing is NaN): its row is softmaxed as zeros and then zeroed, so no NaN reaches a gradient."""
+    if mask is None:
+        return s.softmax(dim=-1)
+    empty = ~mask.any(dim=-1, keepdim=True)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
+    return s.softmax(dim=-1).masked_fill(empty, 0.0)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,

@@ -78,10 +78,14 @@ class CNNConfig:
         return asdict(self)
 
 
-def check_images(x: torch.Tensor, in_chans: int, weight: torch.Tensor | None = None) -> None:
-    """Images ``(B, in_chans, H, W)``, floating point (in ``weight``'s dtype unless autocast)."""
+def check_images(x: torch.Tensor, in_chans: int, weight: torch.Tensor | None = None, min_size: int = 1) -> None:
+    """Images ``(B, in_chans, H, W)`` of at least ``min_size`` pixels a side, floating point (in
+    ``weight``'s dtype unless autocast)."""
     if x.ndim != 4 or x.shape[1] != in_chans:
         raise ValueError(f"expected images (B, {in_chans}, H, W), got {tuple(x.shape)}")
+    if min(x.shape[-2:]) < min_size:
+        raise ValueError(f"images of {x.shape[-2]}x{x.shape[-1]} are too small: each stage halves the map, so this "
+                         f"network needs at least {min_size}x{min_size}")
     if weight is not None:
         check_input_dtype(x, weight)
 
@@ -169,6 +173,7 @@ class SmallCNN(TimmModel, nn.Module):
         self.num_features = self.head_hidden_size = c.widths[-1]
         side = 32 - (c.stem == "whiten")  # a 2x2 whitening conv without padding takes one pixel
         strides = [2 ** (i + 1) for i in range(len(c.widths))]
+        self.min_size = strides[-1] + (c.stem == "whiten")  # the smallest image every stage can halve
         self.pretrained_cfg = dict(input_size=(c.in_chans, 32, 32), mean=CIFAR10_MEAN, std=CIFAR10_STD,
                                    num_classes=c.num_classes, interpolation="bilinear", crop_pct=1.0,
                                    pool_size=(side // strides[-1],) * 2, first_conv="stem.0", classifier="head")
@@ -204,7 +209,7 @@ class SmallCNN(TimmModel, nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, num_features, H/2^S, W/2^S)``."""
-        check_images(x, self.config.in_chans, self.stem[0].weight)
+        check_images(x, self.config.in_chans, self.stem[0].weight, self.min_size)
         x = self.stem(x)
         for stage in self.stages:
             x = checkpoint(stage, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() \
@@ -228,7 +233,7 @@ class SmallCNN(TimmModel, nn.Module):
         """Per-stage maps ``(B, C_i, H/2^(i+1), W/2^(i+1))``; ``indices`` as in the ViT; timm's
         signature (``norm`` has nothing to apply: the stages end in BatchNorm + GELU)."""
         take = feature_take_indices(len(self.stages), indices)
-        check_images(x, self.config.in_chans)
+        check_images(x, self.config.in_chans, min_size=self.min_size)
         return stage_intermediates(self.stages, self.stem(x), take, intermediates_only, output_fmt, stop_early)
 
     def check_global_pool(self, global_pool: str, num_classes: int) -> None:

@@ -6,7 +6,8 @@ References: timm ``layers/helpers.py`` (``to_2tuple``) and ``layers/_fx.py`` / `
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -23,17 +24,32 @@ def to_2tuple(x: int | Sequence[int]) -> Size2:
     return x  # type: ignore[return-value]
 
 
+def _whole(x: object) -> bool:
+    """An int or an integer scalar (numpy's, a 0-d tensor's ``__index__``), never a bool or a float."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
 def feature_take_indices(num_features: int, indices: int | Sequence[int] | None = None) -> list[int]:
     """Which of ``num_features`` layers to return, timm's rule: ``None`` for all, an int ``n`` for
     the last ``n``, or a list of indices where a negative one counts from the end. Raises a
     ``ValueError`` naming the indices and the range when one is out of it."""
     if indices is None:
         return list(range(num_features))
-    if isinstance(indices, int):
-        if not 0 < indices <= num_features:
-            raise ValueError(f"indices={indices}: expected 1..{num_features} last layers")
-        return list(range(num_features - indices, num_features))
-    idx = [int(i) for i in indices]
+    if _whole(indices):
+        n = operator.index(indices)
+        if not 0 < n <= num_features:
+            raise ValueError(f"indices={n}: expected 1..{num_features} last layers")
+        return list(range(num_features - n, num_features))
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable) or not all(map(_whole, indices)):
+        raise TypeError(f"indices must be None, a whole number (the last n layers) or a list of whole layer "
+                        f"indices, got {indices!r}")
+    idx = [operator.index(i) for i in indices]
     if not idx:
         raise ValueError(f"no layer indices given; expected at least one of 0..{num_features - 1} (or None for all)")
     if any(not -num_features <= i < num_features for i in idx):
@@ -97,6 +113,21 @@ def is_tracing() -> bool:
     return getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)()  # the first since torch 2.10
 
 
+def watched(*modules: torch.nn.Module) -> bool:
+    """Whether anything outside the model looks at what ``modules`` (or their submodules) take and
+    give: a forward, pre-forward or backward hook on one of them or on every module (torch's global
+    hooks), or a trace (torch.fx, torch.export, torch.jit) that records them as calls."""
+    from torch.nn.modules import module as torch_module
+
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
+        return True
+    if is_tracing() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for module in modules for m in module.modules())
+
+
 def building_graph() -> bool:
     """Whether ``torch.fx`` or ``torch.compile`` is tracing the model. Caches are then left alone:
     an fx trace's device and dtype are proxies, and a cache written inside a compiled graph fails
@@ -120,15 +151,33 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_flops(fn, *args) -> int:
+    """FLOPs of ``fn(*args)`` by torch's formulas (``torch.utils.flop_counter``; a multiply-add
+    counts 2), summed over the ops it runs. Not ``FlopCounterMode`` itself: it follows modules with
+    global hooks, and a model that sees a hook shows it every token (``ViT.forward``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket in flop_registry:
+                Count.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            return out
+
+    with Count():
+        fn(*args)
+    return int(Count.total)
+
+
 def flops_per_image(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3) -> int:
-    """Forward FLOPs of one image (``torch.utils.flop_counter``; a multiply-add counts 2).
+    """Forward FLOPs of one image (:func:`count_flops`).
 
     Counted on a copy on the ``meta`` device: no arithmetic is done, and the layers take their
     plain PyTorch path there, whose matrix products the counter sees.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     ghost = copy.deepcopy(model).to("meta").eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        ghost(torch.zeros(1, in_chans, *img_size, device="meta"))
-    return int(counter.get_total_flops())
+    with torch.no_grad():
+        return count_flops(ghost, torch.zeros(1, in_chans, *img_size, device="meta"))

@@ -17,6 +17,7 @@ from .cnn import CNNConfig, SmallCNN
 from .constants import CIFAR10_MEAN, CIFAR10_STD
 from .features import FeatureExtractor
 from .vit import ViT, ViTConfig
+from .weights import read_weights
 
 _AIRBENCH = dict(head_scale=1 / 9, bn_weight=False, dirac_init=True)
 # A mean over patch tokens with no norm after it (timm's '*_gap' ViTs) and fixed 2-D positions.
@@ -115,9 +116,15 @@ def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay:
     ``pretrained=True`` loads timm's weights for a preset with a timm twin through timm's own
     loading (its hub cache when online; ``pretrained_cfg_overlay=dict(file=PATH)`` for a local
     ``.safetensors`` / ``.pth`` / ``.npz``) and converts them; ``checkpoint_path`` loads a vitattn
-    checkpoint (``.safetensors``, or a ``.pt`` from ``train_cifar.py``) after building;
+    checkpoint (``.safetensors``, or a ``.pt`` from ``train_cifar.py``) strictly. A file that
+    says what it was trained as (:mod:`vitattn.weights`) builds that model (its config fields,
+    ``overrides`` on top) and restores its data config: the mean, std, input size and label
+    names its training used, which timm's ``resolve_data_config`` then reads.
     ``features_only=True`` returns a ``FeatureExtractor`` (the maps of ``out_indices``).
     """
+    state, info = read_weights(checkpoint_path) if checkpoint_path is not None else (None, None)
+    if info:
+        overrides = {**saved_fields(name, info, checkpoint_path), **overrides}
     cfg = get_config(name, **overrides)
     if pretrained:
         model = _timm_pretrained(name, cfg, overrides, pretrained_cfg_overlay)
@@ -125,9 +132,38 @@ def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay:
         model = _FAMILIES[PRESETS[name][0]][0](cfg)
         if isinstance(model, ViT) and PRESETS[name][1].get("img_size") == 32:  # the CIFAR presets' data
             model.pretrained_cfg.update(mean=CIFAR10_MEAN, std=CIFAR10_STD, interpolation="bilinear", crop_pct=1.0)
-    if checkpoint_path is not None:
-        load_checkpoint_weights(model, checkpoint_path)
+    model.pretrained_cfg["architecture"] = name  # timm's field: the model's name
+    if state is not None:
+        load_strict(model, state, checkpoint_path)
+        restore_data_config(model, info)
     return FeatureExtractor(model, out_indices) if features_only else model
+
+
+def saved_fields(name: str, info: dict, path) -> dict[str, Any]:
+    """The config fields a weights file was trained with, checked against the preset asked for."""
+    saved = info.get("architecture")
+    if saved and saved != name:
+        raise ValueError(f"checkpoint_path {path} holds weights of {saved}, not {name}: create_model({saved!r}, "
+                         "checkpoint_path=...)")
+    fields_ = info.get("config") or {}
+    valid = {f.name for f in fields(_FAMILIES[PRESETS[name][0]][1])}
+    unknown = sorted(set(fields_) - valid)
+    if unknown:
+        raise ValueError(f"checkpoint_path {path} was saved with config fields this version of vitattn does not "
+                         f"have: {unknown}")
+    return fields_
+
+
+def restore_data_config(model: nn.Module, info: dict | None) -> None:
+    """Put the data fields a weights file saved into the model's ``pretrained_cfg`` (those that
+    still describe the built model: the input size and classes only where they agree)."""
+    data = dict((info or {}).get("pretrained_cfg") or {})
+    cfg = model.pretrained_cfg
+    if "input_size" in data and tuple(data["input_size"]) != tuple(cfg["input_size"]):
+        del data["input_size"]  # built at another size on purpose (an override): the model's own
+    if data.get("num_classes", cfg["num_classes"]) != cfg["num_classes"]:
+        data.pop("num_classes"), data.pop("label_names", None)
+    cfg.update({k: tuple(v) if isinstance(v, list) and k != "label_names" else v for k, v in data.items()})
 
 
 def _timm_pretrained(name: str, cfg: ViTConfig, overrides: dict[str, Any], overlay: dict | None) -> ViT:
@@ -154,21 +190,8 @@ def _timm_pretrained(name: str, cfg: ViTConfig, overrides: dict[str, Any], overl
     return model
 
 
-def load_checkpoint_weights(model: nn.Module, path: str) -> None:
-    """Weights from a ``.safetensors`` file, a ``train_cifar.py`` checkpoint (its ``model``) or a
-    plain state dict, loaded strictly: every name and shape must match."""
-    import torch
-
-    try:
-        if str(path).endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            state = state.get("model", state) if isinstance(state, dict) else state
-    except Exception as e:  # missing, truncated or foreign files fail in many ways
-        raise ValueError(f"checkpoint_path {path}: cannot read weights from it ({type(e).__name__}: {e})") from e
+def load_strict(model: nn.Module, state: dict, path) -> None:
+    """Load a state dict strictly: every name and shape must match, else a ``ValueError`` naming the file."""
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

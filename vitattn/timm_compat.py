@@ -24,47 +24,108 @@ def _timm():
     return timm
 
 
+# LayerScale's start value when a converted model's gammas no longer show it (trained): it only
+# decides a fresh init, which a converted model never has; timm's DeiT-III uses 1e-5 at this width
+UNKNOWN_INIT_VALUES = 1e-5
+
+
+def _layer_norm(m: nn.Module) -> bool:
+    """timm's default norm: a LayerNorm with eps 1e-6 and a learned scale and shift."""
+    return isinstance(m, nn.LayerNorm) and m.eps == 1e-6 and m.weight is not None and m.bias is not None
+
+
+def unsupported_options(model: nn.Module) -> list[str]:
+    """The options of a timm ``VisionTransformer`` that vitattn's ``ViT`` does not carry, each as
+    timm names it; empty when the model converts exactly. Every module is checked by its type, so
+    a layer timm swaps in under another option is caught too."""
+    from timm.layers import Mlp, PatchEmbed
+    from timm.models.vision_transformer import Attention, Block
+
+    bad = []
+
+    def check(cond: bool, what: str) -> None:
+        if cond and what not in bad:
+            bad.append(what)
+
+    check(getattr(model, "dist_token", None) is not None, "a distillation token (DeiT's distilled models)")
+    check(getattr(model, "num_reg_tokens", 0) > 0, f"reg_tokens={getattr(model, 'num_reg_tokens', 0)}")
+    check(getattr(model, "no_embed_class", False), "no_embed_class=True")
+    check(model.global_pool not in ("token", "avg", "avgmax", "max", ""), f"global_pool={model.global_pool!r}")
+    check(getattr(model, "attn_pool", None) is not None, "an attention-pool read-out (global_pool='map')")
+    check(getattr(model, "pool_include_prefix", False), "pool_include_prefix=True")
+    check(not isinstance(model.norm_pre, nn.Identity), "pre_norm=True")
+    check(isinstance(model.norm, nn.Identity) and isinstance(model.fc_norm, nn.Identity), "final_norm=False")
+    check(not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity), "patch_drop_rate > 0")
+    pe = model.patch_embed
+    check(type(pe) is not PatchEmbed, f"embed_layer {type(pe).__name__}")
+    check(not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity), "embed_norm_layer (a patch embedding norm)")
+    check(getattr(pe, "proj", None) is None or pe.proj.bias is None, "a patch projection without bias")
+    for norm in (model.norm, model.fc_norm):
+        check(not isinstance(norm, nn.Identity) and not _layer_norm(norm), f"norm_layer {type(norm).__name__}")
+    for blk in model.blocks:
+        check(type(blk) is not Block, f"block_fn {type(blk).__name__}")
+        if type(blk) is not Block:
+            continue
+        for norm in (blk.norm1, blk.norm2):
+            check(not _layer_norm(norm), f"norm_layer {type(norm).__name__}")
+        attn, mlp = blk.attn, blk.mlp
+        check(type(attn) is not Attention, f"attn_layer {type(attn).__name__}")
+        check(type(mlp) is not Mlp, f"mlp_layer {type(mlp).__name__}")
+        if type(attn) is Attention:
+            check(not isinstance(attn.norm, nn.Identity), "scale_attn_norm=True")
+            check(attn.proj.bias is None, "proj_bias=False")
+            check(attn.scale != attn.head_dim**-0.5, f"an attention scale of {attn.scale:g}")
+            qk = [not isinstance(n, nn.Identity) for n in (attn.q_norm, attn.k_norm)]
+            check(any(qk) and not (all(qk) and _layer_norm(attn.q_norm) and _layer_norm(attn.k_norm)),
+                  "a q/k norm other than LayerNorm(eps=1e-6) on both")
+        if type(mlp) is Mlp:
+            act = mlp.act
+            check(type(act) is not nn.GELU or act.approximate != "none", f"act_layer {type(act).__name__}")
+            check(not isinstance(mlp.norm, nn.Identity), "scale_mlp_norm=True")
+            check(mlp.fc1.bias is None or mlp.fc2.bias is None, "proj_bias=False")
+            check(isinstance(mlp.fc1, nn.Conv2d), "a convolutional MLP")
+        for ls in (blk.ls1, blk.ls2):
+            check(not isinstance(ls, nn.Identity) and not hasattr(ls, "gamma"), f"a layer scale {type(ls).__name__}")
+    layer_scale = [not isinstance(b.ls1, nn.Identity) for b in model.blocks if type(b) is Block]
+    check(0 < sum(layer_scale) < len(layer_scale), "LayerScale in some blocks only")
+    widths = {(b.mlp.fc1.out_features, b.attn.num_heads, b.attn.qkv.bias is not None,
+               not isinstance(b.attn.q_norm, nn.Identity)) for b in model.blocks if type(b) is Block
+              and type(b.attn) is Attention and type(b.mlp) is Mlp}
+    check(len(widths) > 1, "blocks of different widths, heads, biases or norms")
+    return bad
+
+
+def mlp_ratio_of(hidden: int, dim: int) -> float:
+    """The ``mlp_ratio`` whose ``int(dim * mlp_ratio)`` (timm's and our MLP width) is ``hidden``:
+    ``hidden / dim`` unless float rounding puts that just below, then the middle of the step."""
+    ratio = hidden / dim
+    return ratio if int(dim * ratio) == hidden else (hidden + 0.5) / dim
+
+
 def config_from_timm(model: nn.Module) -> ViTConfig:
     """Read a timm ``VisionTransformer``'s options into a :class:`ViTConfig`.
 
-    Raises ``ValueError`` naming every option vitattn does not support.
+    Raises ``ValueError`` naming every option vitattn does not support (:func:`unsupported_options`).
+    ``init_values`` (LayerScale's start value) is the gammas' common value in an untrained model;
+    a trained one no longer shows it, and the start value decides nothing once weights are
+    loaded, so it is then ``UNKNOWN_INIT_VALUES``.
     """
     _timm()
-    from timm.layers import LayerScale as TimmLayerScale
     from timm.models.vision_transformer import VisionTransformer
 
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"expected a timm VisionTransformer, got {type(model).__name__}")
-    blk = model.blocks[0]
-    unsupported = []
-
-    def check(cond: bool, what: str) -> None:
-        if cond:
-            unsupported.append(what)
-
-    check(getattr(model, "dist_token", None) is not None, "a distillation token (DeiT's distilled models)")
-    check(getattr(model, "num_reg_tokens", 0) > 0, f"reg_tokens={model.num_reg_tokens}")
-    check(getattr(model, "no_embed_class", False), "no_embed_class=True")
-    check(model.global_pool not in ("token", "avg", "avgmax", "max", ""), f"global_pool={model.global_pool!r}")
-    check(getattr(model, "attn_pool", None) is not None, "attention pooling ('map')")
-    check(not isinstance(model.norm_pre, nn.Identity), "pre_norm=True")
-    check(not isinstance(model.patch_embed.norm, nn.Identity), "patch embedding norm")
-    check(not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity), "patch_drop_rate > 0")
-    check(model.patch_embed.proj.bias is None, "patch projection without bias")
-    check(not isinstance(blk.norm1, nn.LayerNorm) or blk.norm1.eps != 1e-6, "norm_layer other than LayerNorm(eps=1e-6)")
-    check(not isinstance(blk.mlp.act, nn.GELU) or getattr(blk.mlp.act, "approximate", "none") != "none",
-          f"act_layer {type(blk.mlp.act).__name__}")
-    check(not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity), "scale_mlp_norm=True")
-    check(not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity), "scale_attn_norm=True")
-    check(type(blk).__name__ != "Block", f"block_fn {type(blk).__name__}")
-    check(type(blk.mlp).__name__ != "Mlp", f"mlp_layer {type(blk.mlp).__name__}")
-    check(getattr(model, "pos_embed", None) is None and getattr(model, "rope", None) is not None, "rope")
+    unsupported = unsupported_options(model)
     if unsupported:
         raise ValueError(f"timm model uses options vitattn does not support: {', '.join(unsupported)}")
 
+    blk = model.blocks[0]
     has_pos = getattr(model, "pos_embed", None) is not None
-    qk_norm = not isinstance(blk.attn.q_norm, nn.Identity)
-    ls = blk.ls1
+    init_values = None
+    if hasattr(blk.ls1, "gamma"):
+        gamma = blk.ls1.gamma.detach()
+        start = float(gamma.flatten()[0])
+        init_values = start if start > 0 and bool((gamma == start).all()) else UNKNOWN_INIT_VALUES
     last_drop_path = model.blocks[-1].drop_path1  # timm's rates rise linearly to drop_path_rate, as ours
     return ViTConfig(
         img_size=tuple(model.patch_embed.img_size),
@@ -75,10 +136,10 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         embed_dim=model.embed_dim,
         depth=len(model.blocks),
         num_heads=blk.attn.num_heads,
-        mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim,
+        mlp_ratio=mlp_ratio_of(blk.mlp.fc1.out_features, model.embed_dim),
         qkv_bias=blk.attn.qkv.bias is not None,
-        qk_norm=qk_norm,
-        init_values=float(ls.gamma.detach().flatten()[0]) if isinstance(ls, TimmLayerScale) else None,
+        qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
+        init_values=init_values,
         class_token=model.cls_token is not None,
         pos_embed="learn" if has_pos else "none",
         dynamic_img_size=bool(getattr(model, "dynamic_img_size", False)),
@@ -93,12 +154,21 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
 
 
 def from_timm(model: nn.Module) -> ViT:
-    """A vitattn ``ViT`` with the same options and weights as a timm ``VisionTransformer``.
+    """A vitattn ``ViT`` with the same options and weights as a timm ``VisionTransformer``, on its
+    device and in its dtype.
 
     Eval outputs match timm's within float rounding (tested at 1e-5 in fp32).
     """
     vit = ViT(config_from_timm(model))
-    vit.load_state_dict(to_vitattn_state_dict(model.state_dict()), strict=True)
+    state = to_vitattn_state_dict(model.state_dict())
+    try:
+        vit.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # an option the checks above do not know of: name it, never a raw error
+        raise ValueError(f"timm model holds weights vitattn's ViT does not have (an option vitattn does not "
+                         f"support): {str(e).splitlines()[-1].strip()}") from None
+    like = next(iter(state.values()), None)
+    if like is not None:
+        vit = vit.to(device=like.device, dtype=like.dtype)
     return vit.train(model.training)
 
 
@@ -117,10 +187,15 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
     timm twin of a config."""
     c = config
     fixed = c.pos_embed in ("sincos1d", "sincos2d")
-    if (c.score != "scaled_dot" or c.window_block_indexes or c.use_rot_pos_emb or c.shifted_patches or c.distilled
-            or (fixed and c.dynamic_img_size)):
-        raise ValueError("timm has no twin for score / window / rotary / shifted-patch / distillation-token options, "
-                         "nor for a sin-cos table built for each image size")
+    alone = [what for cond, what in ((c.score != "scaled_dot", f"score={c.score!r}"),
+                                     (bool(c.window_block_indexes), "window attention"),
+                                     (c.use_rot_pos_emb, "use_rot_pos_emb=True"),
+                                     (c.shifted_patches, "shifted_patches=True"),
+                                     (c.distilled, "distilled=True"),
+                                     (fixed and c.dynamic_img_size, f"pos_embed={c.pos_embed!r} with dynamic_img_size "
+                                      "(a sin-cos table built for each image size)")) if cond]
+    if alone:
+        raise ValueError(f"timm has no twin for these vitattn options: {', '.join(alone)}")
     # weight_init only chooses starting weights, which to_timm copies anyway
     return dict(
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,
@@ -147,4 +222,5 @@ def to_timm(vit: ViT) -> nn.Module:
     model.load_state_dict(sd, strict=True)
     if fixed:
         model.pos_embed.requires_grad_(False)
-    return model.train(vit.training)
+    like = next(iter(sd.values()))
+    return model.to(device=like.device, dtype=like.dtype).train(vit.training)

@@ -30,7 +30,16 @@ from torch.utils.checkpoint import checkpoint
 from .attention import SCORES, AttentionConfig
 from .block import Block
 from .contract import TimmModel, resolve_config
-from .helpers import BuildCache, check_bool, check_float, check_int, check_size, feature_take_indices, to_2tuple
+from .helpers import (
+    BuildCache,
+    check_bool,
+    check_float,
+    check_int,
+    check_size,
+    feature_take_indices,
+    to_2tuple,
+    watched,
+)
 from .init import init_vit_
 from .patch_embed import PatchEmbed, ShiftedPatchEmbed
 from .pos_embed import fixed_pos_table, resample_abs_pos_embed, rope_2d
@@ -117,6 +126,11 @@ class ViTConfig:
                              "got global_pool=''")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without it")
+        if not self.dynamic_img_pad:
+            size, patch = to_2tuple(self.img_size), to_2tuple(self.patch_size)
+            if size[0] % patch[0] or size[1] % patch[1]:
+                raise ValueError(f"img_size {size} is not divisible by patch_size {patch}: the patches would not tile "
+                                 "the image; choose sizes that divide, or dynamic_img_pad=True to pad the image")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         self.window_block_indexes = tuple(self.window_block_indexes)
@@ -316,14 +330,24 @@ class ViT(TimmModel, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``forward_head(forward_features(x))``. A class-token head never reads the last block's
         patch tokens, so that block runs for the class token alone (``Block.forward_first``): the
-        same numbers (tested, gradients included) for most of its work less (docs/performance.md)."""
-        if self.global_pool != "token" or self.blocks[-1].attn.window_size is not None:
+        same logits (tested, gradients included) for most of its work less (docs/performance.md).
+        Only while nobody looks: a hook on the last block, its parts or the final norm, or a trace
+        (FX, export), sees the whole sequence, as timm's forward shows it."""
+        if not self.class_token_shortcut():
             return self.forward_head(self.forward_features(x))
         x, grid = self.embed(x)
         rope = self.rope_for(grid, x)
         x = self.run_blocks(x, grid, rope, stop=-1)[0]
         return self.forward_head(self.norm(self.checkpointed(self.blocks[-1].forward_first, x,
                                                              self.num_prefix_tokens, rope)))
+
+    def class_token_shortcut(self) -> bool:
+        """Whether ``forward`` may run the last block for the class token alone: a class-token
+        read-out, a global-attention ``Block`` as built (no replaced module or method), and no hook
+        or trace that would see the shortened sequence."""
+        last = self.blocks[-1]
+        return (self.global_pool == "token" and type(last) is Block and "forward" not in vars(last)
+                and last.attn.window_size is None and not watched(last, self.norm))
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | tuple[int, ...] | None = None,
                               norm: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,

@@ -363,3 +363,66 @@ def test_a_forward_hook_on_a_blocks_attention_sees_each_call():
         model(torch.randn(2, 3, 32, 32))
         model.get_attention_maps(torch.randn(2, 3, 32, 32))
     assert len(seen) == 2 and torch.is_tensor(seen[0]) and isinstance(seen[1], tuple)
+
+
+def _masks(b: int, h: int, nq: int, nk: int) -> dict[str, dict]:
+    """Masks of every kind, each with at least one query that may attend to no key."""
+    g = seeded(3)
+    rand = torch.rand(b, h, nq, nk, generator=g) < 0.6
+    rand[0, 1, 2] = False  # a query with every key masked
+    causal = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=-1)  # strictly before: the first query sees nothing
+    pad = torch.zeros(b, nk, dtype=torch.bool)
+    pad[1] = True  # a sample all padding
+    pad[0, -2:] = True
+    return {"random": dict(attn_mask=rand), "strictly causal": dict(attn_mask=causal), "padding": dict(
+        key_padding_mask=pad), "both": dict(attn_mask=rand[:, :1], key_padding_mask=pad)}
+
+
+PATHS = {"fused fp32": (torch.float32, True), "readable fp32": (torch.float32, False),
+         "fused bf16": (torch.bfloat16, True), "readable bf16": (torch.bfloat16, False)}
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("score", ["scaled_dot", "general"])
+@pytest.mark.parametrize("keys", ["plain", "kernel"])  # bf16 on a CPU: the three plain ops, or torch's kernel
+def test_every_path_gives_sdpas_answer_under_every_mask(cross, score, keys):
+    """One semantics for masks, torch's SDPA's: a query whose keys are all masked gets zero weights and
+    a zero output before ``proj``, and no NaN reaches any output or gradient, on every path (fused,
+    readable, bf16's plain ops or torch's bf16 kernel), in self- and cross-attention."""
+    from vitattn import attention
+
+    b, h, nq = 2, 2, 5
+    nk = 7 if keys == "plain" else attention.CPU_BF16_PLAIN_MAX_KEYS["train"] + 3
+    nq = nk if not cross else nq
+    torch.manual_seed(0)
+    ref_model = MultiHeadAttention(16, num_heads=h, score=score, qkv_bias=True, context_dim=16 if cross else None)
+    x0 = torch.randn(b, nq, 16, generator=seeded(1))
+    c0 = torch.randn(b, nk, 16, generator=seeded(2)) if cross else None
+    for name, mask in _masks(b, h, nq, nk).items():
+        results = {}
+        for path, (dtype, fused) in PATHS.items():
+            attn = MultiHeadAttention(16, num_heads=h, score=score, qkv_bias=True, fused=fused,
+                                      context_dim=16 if cross else None).to(dtype)
+            attn.load_state_dict(ref_model.state_dict())
+            x = x0.to(dtype).detach().clone().requires_grad_()
+            c = None if c0 is None else c0.to(dtype).detach().clone().requires_grad_()
+            q, k, v = attn.project_qkv(x, c)
+            out, _ = attn.attend(q, k, v, attention.merge_masks(mask.get("attn_mask"), mask.get("key_padding_mask"),
+                                                                 q.shape, k.shape))
+            y = attn(x, c, **mask)
+            y.float().square().sum().backward()
+            grads = [x.grad] + ([c.grad] if cross else []) + [p.grad for p in attn.parameters()]
+            assert not any(t.isnan().any() for t in [out, y, *grads]), (name, path)
+            results[path] = (out.float(), y.float(), [t.float() for t in grads])
+        allowed = attention.merge_masks(mask.get("attn_mask"), mask.get("key_padding_mask"), (b, h, nq, 16),
+                                        (b, h, nk, 16)).expand(b, h, nq, nk)
+        empty = ~allowed.any(-1)
+        assert empty.any(), name
+        for path, (out, y, grads) in results.items():
+            assert (out[empty] == 0).all(), (name, path)
+            ref_out, ref_y, ref_grads = results["fused fp32"]
+            tol = 1e-5 if "fp32" in path else 5e-2
+            torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol, msg=f"{name}, {path}")
+            torch.testing.assert_close(y, ref_y, atol=tol, rtol=tol, msg=f"{name}, {path}")
+            for a, r in zip(grads, ref_grads):
+                torch.testing.assert_close(a, r, atol=tol * 10, rtol=tol, msg=f"{name}, {path} gradients")

@@ -1,5 +1,7 @@
 """timm parity: converted models give timm's outputs, both ways (random weights; no downloads)."""
 
+import re
+
 import pytest
 import torch
 
@@ -159,3 +161,118 @@ def test_regularised_vit_carries_every_shared_option_both_ways():
     v.train()
     with torch.no_grad():
         assert not torch.equal(v(x), v(x))
+
+
+def random_config(rng) -> dict:
+    """timm keyword arguments drawn over every option vitattn carries."""
+    heads = rng.choice([1, 2, 3])
+    class_token = rng.random() < 0.6
+    pools = ["avg", "avgmax", "max", ""] + (["token"] * 3 if class_token else [])
+    patch = rng.choice([4, (4, 8), 8])
+    grid = rng.choice([(2, 2), (3, 2), (4, 4)])
+    ph, pw = (patch, patch) if isinstance(patch, int) else patch
+    pool = rng.choice(pools)
+    return dict(img_size=(grid[0] * ph, grid[1] * pw), patch_size=patch, in_chans=rng.choice([1, 3]),
+                num_classes=rng.choice([0, 3, 7]), global_pool=pool, embed_dim=heads * rng.choice([8, 16]),
+                depth=rng.choice([1, 2, 3]), num_heads=heads, mlp_ratio=rng.choice([1.0, 2.5, 4.0, 100 / 48]),
+                qkv_bias=rng.random() < 0.5, qk_norm=rng.random() < 0.3,
+                init_values=rng.choice([None, None, 1e-5, 0.1]), class_token=class_token,
+                pos_embed=rng.choice(["learn", "learn", "none"]), dynamic_img_size=rng.random() < 0.3,
+                dynamic_img_pad=rng.random() < 0.2, fc_norm=rng.choice([None, True, False]),
+                drop_rate=rng.choice([0.0, 0.1]), pos_drop_rate=rng.choice([0.0, 0.1]),
+                proj_drop_rate=rng.choice([0.0, 0.1]), attn_drop_rate=rng.choice([0.0, 0.1]),
+                drop_path_rate=rng.choice([0.0, 0.2]))
+
+
+def assert_twins(v, t, x) -> None:
+    """Logits, features, pre-logits and every block's intermediates of two models agree at 1e-5."""
+    with torch.no_grad():
+        torch.testing.assert_close(v(x), t(x), atol=1e-5, rtol=1e-5)
+        fv, ft = v.forward_features(x), t.forward_features(x)
+        torch.testing.assert_close(fv, ft, atol=1e-5, rtol=1e-5)
+        if v.global_pool:
+            torch.testing.assert_close(v.forward_head(fv, pre_logits=True), t.forward_head(ft, pre_logits=True),
+                                       atol=1e-5, rtol=1e-5)
+        for fmt in ("NCHW", "NLC"):
+            for norm in (False, True):
+                kw = dict(indices=len(v.blocks), norm=norm, output_fmt=fmt,
+                          return_prefix_tokens=v.num_prefix_tokens > 0)
+                (fa, ia), (fb, ib) = v.forward_intermediates(x, **kw), t.forward_intermediates(x, **kw)
+                torch.testing.assert_close(fa, fb, atol=1e-5, rtol=1e-5)
+                for a, b in zip(ia, ib):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("draw", range(16))
+def test_any_randomised_timm_vit_converts_both_ways(draw):
+    """Over random configs of every option vitattn carries and random weights of either sign
+    (LayerScale gammas and norms included, as a trained model has them), from_timm gives timm's
+    numbers, and to_timm of the result gives them back."""
+    import random
+
+    kw = random_config(random.Random(draw))
+    t = randomised(kw)
+    v = vitattn.from_timm(t).eval()
+    x = torch.randn(2, kw["in_chans"], *kw["img_size"], generator=torch.Generator().manual_seed(draw))
+    assert_twins(v, t, x)
+    assert_twins(v, vitattn.to_timm(v).eval(), x)
+    if kw["dynamic_img_size"]:  # another size: resampled positions on both sides
+        assert_twins(v, t, torch.randn(1, kw["in_chans"], 2 * kw["img_size"][0], kw["img_size"][1]))
+
+
+def test_a_trained_layer_scale_converts_whatever_its_sign():
+    t = randomised(dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, init_values=1e-5))
+    with torch.no_grad():
+        t.blocks[0].ls1.gamma.fill_(-0.3)  # a trained gamma may be <= 0 anywhere
+        t.blocks[1].ls2.gamma[0] = 0.0
+    v = vitattn.from_timm(t).eval()
+    assert v.config.init_values == vitattn.timm_compat.UNKNOWN_INIT_VALUES
+    assert_twins(v, t, torch.randn(2, 3, 16, 16))
+    fresh = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, init_values=0.1)
+    assert vitattn.from_timm(fresh).config.init_values == pytest.approx(0.1)  # untrained: the start value shows
+
+
+class _OwnAttention(__import__("timm").models.vision_transformer.Attention):
+    pass
+
+
+def _refused():
+    from timm.layers import SwiGLU
+    from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock
+
+    base = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+    return [
+        (dict(reg_tokens=2), "reg_tokens=2"), (dict(no_embed_class=True), "no_embed_class=True"),
+        (dict(global_pool="map"), "global_pool='map'"), (dict(pre_norm=True), "pre_norm=True"),
+        (dict(final_norm=False), "final_norm=False"), (dict(final_norm=False, global_pool="avg"), "final_norm=False"),
+        (dict(patch_drop_rate=0.1), "patch_drop_rate"), (dict(scale_attn_norm=True), "scale_attn_norm=True"),
+        (dict(scale_mlp_norm=True), "scale_mlp_norm=True"), (dict(proj_bias=False), "proj_bias=False"),
+        (dict(global_pool="avg", pool_include_prefix=True), "pool_include_prefix=True"),
+        (dict(act_layer="quick_gelu"), "act_layer"), (dict(act_layer="gelu_tanh"), "act_layer"),
+        (dict(norm_layer="rmsnorm"), "norm_layer"), (dict(embed_norm_layer="layernorm"), "embed_norm_layer"),
+        (dict(mlp_layer=SwiGLU), "mlp_layer SwiGLU"), (dict(block_fn=ResPostBlock), "block_fn ResPostBlock"),
+        (dict(block_fn=ParallelScalingBlock), "block_fn ParallelScalingBlock"),
+        (dict(attn_layer=_OwnAttention), "attn_layer _OwnAttention"),
+    ], base
+
+
+@pytest.mark.parametrize("kw, name", _refused()[0], ids=[n for _, n in _refused()[0]])
+def test_every_option_vitattn_lacks_is_refused_by_name(kw, name):
+    t = VisionTransformer(**{**_refused()[1], **kw})
+    with pytest.raises(ValueError, match=re.escape(name)):
+        vitattn.from_timm(t)
+
+
+def test_options_that_only_choose_a_start_convert():
+    for kw in (dict(weight_init="jax"), dict(fix_init=True)):
+        t = randomised(dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, **kw))
+        assert_twins(vitattn.from_timm(t).eval(), t, torch.randn(2, 3, 16, 16))
+
+
+def test_conversion_keeps_the_dtype_both_ways():
+    t = randomised(dict(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)).to(torch.bfloat16)
+    v = vitattn.from_timm(t)
+    assert {p.dtype for p in v.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in vitattn.to_timm(v).parameters()} == {torch.bfloat16}
+    for k, w in t.state_dict().items():
+        assert torch.equal(v.state_dict()[k], w), k

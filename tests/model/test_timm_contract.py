@@ -136,15 +136,19 @@ def test_torch_fx_traces_every_preset_equal_to_eager_forward_and_backward(name):
     x = images(model)
     traced = create_feature_extractor(model, return_nodes={_last_node(model): "out"})
     model.eval(), traced.eval()
+    # the trace runs the whole last block, as forward_features does; eager forward's class-token
+    # shortcut gives the same logits up to rounding (tests/model/test_vit.py)
+    whole = model.forward_head(model.forward_features(x)) if family(name) == "vit" else model(x)
     with torch.no_grad():
-        assert torch.equal(traced(x)["out"], model(x))
+        assert torch.equal(traced(x)["out"], whole)
+        torch.testing.assert_close(traced(x)["out"], model(x), rtol=1e-5, atol=1e-6)
     model.train(), traced.train()
     torch.manual_seed(1)
     traced(x)["out"].square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # traced shares the parameters
     model.zero_grad()
     torch.manual_seed(1)
-    model(x).square().mean().backward()
+    (model.forward_head(model.forward_features(x)) if family(name) == "vit" else model(x)).square().mean().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
 
@@ -215,3 +219,62 @@ def test_every_forward_method_goes_through_the_one_block_loop(monkeypatch):
     x = images(model, 1)
     model(x), model.forward_features(x), model.forward_intermediates(x), model.get_attention_maps(x)
     assert len(calls) == 4
+
+
+def _pools(name: str) -> list[str]:
+    """Every ``global_pool`` a preset can be built with (a ViT without a class token has no 'token')."""
+    if family(name) != "vit":
+        return [vitattn.get_config(name).global_pool]
+    token = vitattn.get_config(name).class_token
+    return [p for p in vitattn.vit.GLOBAL_POOLS if p != "token" or token]
+
+
+HOOKED = [(n, p) for n in PRESETS if family(n) == "vit" for p in _pools(n)]
+
+
+@pytest.mark.parametrize("name, pool", HOOKED, ids=[f"{n}-{p or 'none'}" for n, p in HOOKED])
+def test_hooks_and_fx_see_every_block_whole(name, pool):
+    """A forward hook on each block fires once per forward with the block's whole token sequence,
+    and FX (torchvision's create_feature_extractor) returns for each block what its hook saw, for
+    every preset and every read-out: the last block is a block like the others."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    model = vitattn.create_model(name, global_pool=pool, num_classes=0 if pool == "" else 5).eval()
+    x = images(model)
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [m.register_forward_hook(lambda mod, args, out, k=k: seen.setdefault(k, []).append(out))
+               for k, m in [*((f"blocks.{i}", b) for i, b in enumerate(model.blocks)), ("norm", model.norm)]]
+    with torch.no_grad():
+        logits = model(x)
+    tokens = model.num_prefix_tokens + math.prod(model.grid_size)
+    assert sorted(seen) == sorted([f"blocks.{i}" for i in range(len(model.blocks))] + ["norm"])
+    for k, outs in seen.items():
+        assert len(outs) == 1 and outs[0].shape == (2, tokens, model.embed_dim), (k, [o.shape for o in outs])
+    for h in handles:
+        h.remove()
+    nodes = {f"blocks.{i}": f"b{i}" for i in range(len(model.blocks))}
+    with torch.no_grad():
+        feats = create_feature_extractor(model, return_nodes={**nodes, "norm": "norm"})(x)
+        torch.testing.assert_close(model(x), logits, rtol=1e-5, atol=1e-6)  # the hooks gone: the same logits
+    for k, v in nodes.items():
+        torch.testing.assert_close(feats[v], seen[k][0], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("pool", _pools("vit_quick"), ids=lambda p: p or "none")
+def test_export_and_compile_see_every_block_whole(pool):
+    """torch.export's modules (unflattened) and a compiled model's hooks see the last block's whole
+    sequence, and both give forward's logits."""
+    model = vitattn.create_model("vit_quick", global_pool=pool, num_classes=0 if pool == "" else 5).eval()
+    x, last = images(model), len(model.blocks) - 1
+    tokens = (2, model.num_prefix_tokens + math.prod(model.grid_size), model.embed_dim)
+    with torch.no_grad():
+        want = model(x)
+    unflat = torch.export.unflatten(torch.export.export(model, (x,)))
+    seen = []
+    unflat.blocks.get_submodule(str(last)).register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    torch.testing.assert_close(unflat(x), want, rtol=1e-5, atol=1e-6)
+    model.blocks[last].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="eager")(x), want, rtol=1e-5, atol=1e-6)
+    assert seen == [tokens, tokens]

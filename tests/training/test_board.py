@@ -28,7 +28,7 @@ def test_a_run_writes_its_curves_and_end_figures_per_seed(tmp_path, folder):
         c = curves(Path(s["out"]) / "tensorboard" / "cnn" / f"seed{k}")
         assert c["epoch/test_acc"] == [3, 6] and c["epoch/train_loss"] == [3, 6]
         assert c["train/loss"] and c["lr"] and c["images_per_s"]
-        assert c["final/acc"] == [6] and c["context/erf_radius_px/layer0"] == [6]
+        assert c["final/acc"] == [7] and c["context/erf_radius_px/layer0"] == [7]  # one step after the last
     assert not (Path(s["out"]) / "tensorboard" / "vit").exists()
 
 
@@ -52,7 +52,7 @@ def test_a_resumed_run_continues_its_curves_without_a_duplicate_step(tmp_path, f
     for tag, steps in got.items():
         assert steps == sorted(set(steps)), tag  # each step once
     assert got["epoch/test_acc"] == want["epoch/test_acc"] == [3, 6, 9]
-    assert got["final/acc"] == [9]
+    assert got["final/acc"] == [10]
 
 
 def test_no_curves_with_no_tensorboard(tmp_path, folder):

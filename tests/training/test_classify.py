@@ -111,3 +111,35 @@ def test_fewer_images_than_one_batch_is_refused_up_front(tmp_path, folder, capsy
     out = tmp_path / "run"
     code, err = run_train_cifar(capsys, "--data-dir", folder, "--out", out, "--model", "cnn", "--batch-size", 64)
     assert code == 2 and "a batch of 64" in err and "36" in err and not out.exists()
+
+
+@pytest.mark.parametrize("family", ["vit", "cnn"])
+def test_saved_weights_carry_their_data_and_timms_tools_reproduce_the_scripts_accuracy(tmp_path, family):
+    """The long-range images are far from CIFAR-10's statistics (std ~0.1, not 0.25): weights
+    reloaded by name and fed through timm's resolve_data_config + create_transform must get the
+    normalisation they trained with, and so the script's own accuracy, image for image."""
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    import vitattn
+
+    kw = dict(dataset="long-range", long_range_train=128, long_range_test=48, model=family, epochs=1,
+              batch_size=32, context_images=8, progress=False, plots=False, tta=False, seed=3)
+    run = T.main(T.Config(**kw, out=str(tmp_path / "run")))
+    ds = classify.load_dataset(T.Config(**kw))
+    preset = run["config"][f"{'vit' if family == 'vit' else 'cnn'}_preset"]
+    model = vitattn.create_model(preset, checkpoint_path=str(Path(run["out"]) / classify.weights_file(family))).eval()
+    cfg = resolve_data_config({}, model=model)
+    assert cfg["std"] == pytest.approx(ds.norm.std) and max(cfg["std"]) < 0.2  # not CIFAR-10's 0.25
+    assert model.pretrained_cfg["label_names"] == list(ds.data.classes)
+    transform = create_transform(**cfg)
+    x = torch.stack([transform(Image.fromarray(im.permute(1, 2, 0).numpy())) for im in ds.data.test_x])
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == ds.data.test_y).float().mean().item()
+    assert acc == pytest.approx(run["models"][family]["final_acc"], abs=1e-9)
+    # the run's checkpoint says the same, and a preset of another name is refused by name
+    ckpt = vitattn.create_model(preset, checkpoint_path=str(Path(run["out"]) / "checkpoints" / f"{family}.pt"))
+    assert ckpt.pretrained_cfg["std"] == pytest.approx(ds.norm.std)
+    other = "vit_quick" if family == "vit" else "cnn_quick"
+    with pytest.raises(ValueError, match=f"holds weights of {preset}, not {other}"):
+        vitattn.create_model(other, checkpoint_path=str(Path(run["out"]) / classify.weights_file(family)))

@@ -255,3 +255,102 @@ def test_a_run_killed_mid_epoch_resumes_from_its_last_complete_checkpoint(tmp_pa
     assert scores(metrics(out)) == scores(metrics(ref["out"]))
     assert json.loads((out / "summary.json").read_text())["models"]["cnn"]["final_acc"] == \
         ref["models"]["cnn"]["final_acc"]
+
+
+class Killed(BaseException):
+    """The process dying at this point: no handler of ours catches it (a BaseException, not Ctrl-C)."""
+
+
+def kill_on_call(monkeypatch, owner, name: str, nth: int, partial_write: bool = False):
+    """Make ``owner.name``'s ``nth`` call die (after writing a cut file, for a writer); returns the
+    function that puts it back."""
+    real, calls = getattr(owner, name), {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            if partial_write:  # torch.save(obj, path): half a file where the write was going
+                Path(args[1]).write_bytes(b"PK\x03\x04 cut short")
+            raise Killed(f"{owner.__name__}.{name} call {nth}")
+        return real(*args, **kwargs)
+
+    setattr(owner, name, dying)
+    return lambda: setattr(owner, name, real)
+
+
+def _phases():
+    from vitattn.training import report, runfolder
+
+    return {"before the first checkpoint": (classify.F, "cross_entropy", 3, False),
+            "inside a checkpoint write": (runfolder.torch, "save", 2, True),
+            "in an evaluation": (classify, "evaluate", 2, False),
+            "after the last checkpoint, in the final evaluation": (classify, "evaluate", 4, False),
+            "in the report and plots": (report, "write_plots", 1, False)}
+
+
+@pytest.mark.parametrize("phase", list(_phases()))
+def test_a_kill_at_any_phase_then_resume_ends_as_an_uninterrupted_run(tmp_path, folder, monkeypatch, phase):
+    """The process dies (no handler runs) at each phase of a run; --resume then gives the metrics,
+    the final weights and the TensorBoard curves of a run never stopped, no line and no step twice."""
+    loader = pytest.importorskip("tensorboard.backend.event_processing.event_file_loader")
+    from safetensors.torch import load_file
+
+    def curves(out: Path) -> dict:
+        """Each tag's (step, value) as the event files hold them, files in the order written, with
+        only the purges they ask for (a session's start): out-of-order steps are not forgiven, as
+        TensorBoard's Rust reader does not forgive them."""
+        tags: dict[str, list] = {}
+        for f in sorted((out / "tensorboard" / "cnn").glob("events.out.tfevents.*")):
+            for event in loader.EventFileLoader(str(f)).Load():
+                if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                    tags = {t: [p for p in pts if p[0] < event.step] for t, pts in tags.items()}
+                for v in event.summary.value:
+                    value = v.simple_value if v.HasField("simple_value") else float(v.tensor.float_val[0])
+                    tags.setdefault(v.tag, []).append((event.step, round(value, 5)))
+        return tags
+
+    from vitattn.training import loop
+
+    monkeypatch.setattr(loop, "READ_EVERY", 2)  # running figures on the board between checkpoints, too
+    kw = dict(epochs=3, tensorboard=True, model_ema_decay=0.5, cnn_kwargs='{"drop_rate": 0.3}')
+    ref = T.main(tiny(tmp_path / "ref", folder, **kw))
+    owner, name, nth, partial = _phases()[phase]
+    restore = kill_on_call(monkeypatch, owner, name, nth, partial)
+    cfg = tiny(tmp_path / "run", folder, **kw, plots=phase == "in the report and plots")
+    try:
+        with pytest.raises(Killed):
+            T.main(cfg)
+    finally:
+        restore()
+    T.main(T.Config(resume=cfg.out, progress=False))
+    out, want = Path(cfg.out), Path(ref["out"])
+    assert scores(metrics(out)) == scores(metrics(want))
+    a, b = (load_file(str(f / "checkpoints" / "cnn.safetensors")) for f in (out, want))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    got, expected = curves(out), curves(want)
+    assert sorted(got) == sorted(expected)
+    for tag in expected:
+        assert [s for s, _ in got[tag]] == [s for s, _ in expected[tag]], tag  # each step once, none missing
+        if not tag.endswith(("seconds", "images_per_s", "data_share")):  # the clock's figures
+            assert got[tag] == expected[tag], tag
+
+
+def test_a_finished_run_with_an_ema_resumed_through_loop_fit_keeps_its_weights(tmp_path, folder):
+    """loop.fit on a finished run's checkpoint (no script's early return in between) evaluates the
+    kept weights again and leaves them as they were: the EMA's, not its first copy."""
+    from vitattn.training import loop, runfolder
+
+    cfg = tiny(tmp_path, folder, epochs=2, model_ema_decay=0.5)
+    done = T.main(cfg)
+    path = Path(cfg.out) / "checkpoints" / "cnn.pt"
+    cpu = torch.device("cpu")
+    ds = classify.load_dataset(cfg)
+    model = classify.build_model("cnn", cfg, ds, cpu)
+    resumed = runfolder.resume_checkpoint(path, model, "cnn", loop.TrainState)
+    run = classify.build_run("cnn", model, cfg, ds, cpu, runtime.Dist(), path, resumed)
+    with runtime.StopFlag() as stop:
+        result = loop.fit(run, Path(cfg.out) / "metrics.jsonl", stop, lambda *a: None)
+    for k, v in done["modules"]["cnn"].state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert result["final_acc"] == done["models"]["cnn"]["final_acc"]
+    assert len(metrics(cfg.out)) == 2  # nothing trained or logged again

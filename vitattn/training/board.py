@@ -37,7 +37,8 @@ class Board:
 
         root = Path(out) / "tensorboard" / family
         folders = [root] if len(seeds) == 1 else [root / f"seed{k}" for k in seeds]
-        self.writers = [SummaryWriter(str(f), purge_step=purge_step or None) for f in folders]
+        # purge_step 0 too: a run resumed with no checkpoint yet starts its curves again from step 0
+        self.writers = [SummaryWriter(str(f), purge_step=purge_step) for f in folders]
 
     def add(self, step: int, values: Sequence[dict[str, float]]) -> None:
         for writer, scalars in zip(self.writers, values):

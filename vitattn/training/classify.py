@@ -212,6 +212,10 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
             over.setdefault("distilled", True)
     torch.manual_seed(cfg.seed)
     model = registry.create_model(preset, **over).to(dev)
+    # what the weights learned from, saved with them (vitattn.weights): timm's data tools then feed them alike
+    model.pretrained_cfg.update(input_size=(images.train_x.shape[1], *size), mean=ds.norm.mean, std=ds.norm.std,
+                                interpolation="bilinear", crop_pct=1.0, num_classes=len(images.classes),
+                                label_names=list(images.classes))
     try:
         model.flops = flops_per_image(model, size)
     except (RuntimeError, ValueError) as e:
@@ -224,12 +228,14 @@ def build_model(family: str, cfg: Config, ds: Dataset, dev: torch.device, world:
     return model
 
 
-def load_datasets(cfg: Config, dev: torch.device | None = None) -> list[Dataset]:
+def load_datasets(cfg: Config, dev: torch.device | None = None, first: Dataset | None = None) -> list[Dataset]:
     """One dataset per seed of ``cfg.seed_list()``: CIFAR-10's is one and the same for all; the
-    long-range task is generated from each seed, as its solo run generates it."""
+    long-range task is generated from each seed, as its solo run generates it. ``first``: the
+    first seed's, already loaded."""
+    first = first or load_dataset(cfg.for_seed(cfg.seed_list()[0]), dev)
     if cfg.dataset != "long-range":
-        return [load_dataset(cfg, dev)] * len(cfg.seed_list())
-    return [load_dataset(cfg.for_seed(k), dev) for k in cfg.seed_list()]
+        return [first] * len(cfg.seed_list())
+    return [first] + [load_dataset(cfg.for_seed(k), dev) for k in cfg.seed_list()[1:]]
 
 
 def build_models(family: str, cfg: Config, datasets: Sequence[Dataset], dev: torch.device, world: int = 1
@@ -240,7 +246,14 @@ def build_models(family: str, cfg: Config, datasets: Sequence[Dataset], dev: tor
     models = [build_model(family, cfg.for_seed(k), ds, dev, world) for k, ds in zip(group, datasets)]
     if len(models) == 1:
         return models[0]
-    stack = seeds.SeedStack(models, group, cfg.batching(dev))
+    mode = cfg.batching(dev)
+    if mode == "vmap" and seeds.stochastic(models[0]):  # vmap draws every seed's dropout from one stream
+        if cfg.seed_batching != "auto":
+            raise UsageError(f"--seed-batching vmap: the {family} has dropout or drop path, whose random numbers vmap "
+                             "draws for all seeds from one stream, so no seed would train as its solo run; use "
+                             "--seed-batching loop (each seed in turn, each with its own stream)")
+        mode = "loop"
+    stack = seeds.SeedStack(models, group, mode)
     stack.flops = models[0].flops
     return stack
 
@@ -248,31 +261,34 @@ def build_models(family: str, cfg: Config, datasets: Sequence[Dataset], dev: tor
 MEMORY_MARGIN = 1.5  # peak memory over what autograd saves plus the tensors kept: temporaries of the backward
 
 
-def check_memory(cfg: Config, models: dict[str, nn.Module], datasets: Sequence[Dataset], dev: torch.device,
-                 world: int = 1) -> None:
-    """Refuse (UsageError), before anything is written or trained, a group of seeds whose step
-    would not fit in ``dev``'s free memory: per seed, the activations autograd keeps for a batch
-    (measured on two images, ``seeds.saved_bytes``) and the weights with their gradient, optimiser
-    state and EMA, times ``MEMORY_MARGIN``."""
+def check_memory(cfg: Config, ds: Dataset, dev: torch.device, world: int = 1) -> None:
+    """Refuse (UsageError), before anything is written or trained and before the group's data and
+    models are made, a group of seeds whose step would not fit in ``dev``'s free memory: per seed,
+    the activations autograd keeps for a batch (measured on two images of ``ds``, the first seed's
+    data, on one model of each family: ``seeds.saved_bytes``), the weights with their gradient,
+    optimiser state and EMA, times ``MEMORY_MARGIN``, and the seed's own images where each seed
+    has its own (the long-range task)."""
     group = cfg.seed_list()
     if len(group) == 1:
         return
     free = seeds.free_bytes(dev)
-    for family, model in models.items():
-        r, one = cfg.recipe(family), model.unstack(0)  # a copy: the probe's BatchNorm statistics are thrown away
-        task = classify_task(family, cfg.for_seed(group[0]), datasets[0], dev, Dist())
-        x = task.inputs(datasets[0].data.train_x[:2].to(dev))
+    images = sum(t.numel() * t.element_size() for t in (ds.data.train_x, ds.data.test_x)) \
+        if cfg.dataset == "long-range" else 0
+    for family in cfg.models():
+        r, one = cfg.recipe(family), build_model(family, cfg.for_seed(group[0]), ds, dev, world)
+        task = classify_task(family, cfg.for_seed(group[0]), ds, dev, Dist())
+        x = task.inputs(ds.data.train_x[:2].to(dev))
         with runtime.autocast(dev, cfg.autocast_dtype()):
             activations = seeds.saved_bytes(one, x) / 2 * (r.batch_size // world)
         tensors = sum(t.numel() * t.element_size() for t in one.state_dict().values())
-        per_seed = MEMORY_MARGIN * (activations + tensors * (4 + (r.model_ema_decay > 0)))
+        per_seed = MEMORY_MARGIN * (activations + tensors * (4 + (r.model_ema_decay > 0))) + images
         if per_seed * len(group) > free:
             gib = 2**30
             raise UsageError(f"--seeds {cfg.seeds}: {len(group)} seeds of the {family} need about "
                              f"{per_seed * len(group) / gib:.1f} GiB ({per_seed / gib:.2f} GiB each: activations of "
                              f"{r.batch_size // world} images and the weights with their gradients and optimiser "
-                             f"state), more than the {free / gib:.1f} GiB free on {dev}; train at most "
-                             f"{max(int(free // per_seed), 1)} seeds at a time")
+                             f"state{', and its own images' if images else ''}), more than the {free / gib:.1f} GiB "
+                             f"free on {dev}; train at most {max(int(free // per_seed), 1)} seeds at a time")
 
 
 def one_model(model: nn.Module) -> nn.Module:
@@ -570,7 +586,7 @@ def describe_run(family: str, model: nn.Module, cfg: Config, run: loop.Run, pipe
     """The lines a run opens with: the model, its recipe and precision, the batch pipeline's
     speed alone, a precision warning, the teacher."""
     r = cfg.recipe(family)
-    group = f" x {len(cfg.seed_list())} seeds ({cfg.seeds}, {cfg.batching(run.device)})" if cfg.seeds else ""
+    group = f" x {len(cfg.seed_list())} seeds ({cfg.seeds}, {model.mode})" if cfg.seeds else ""
     lines = [f"[{family}] {cfg.preset(family)}{group}: {count_params(one_model(model)) / 1e6:.3f} M params, "
              f"{model.flops / 1e6:.1f} MFLOP/img; {r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} "
              f"({run.task.steps_per_epoch} steps/epoch); {run.precision} on {run.device}; pipeline alone "

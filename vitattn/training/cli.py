@@ -267,10 +267,12 @@ def exit_status(main: Callable[[Any], dict], cfg: Any, script: str, expected: tu
     except Exception as e:
         if os.environ.get("VITATTN_TRACEBACK"):
             raise
-        out = cfg.resume or cfg.out
-        saved = out and any(Path(out).glob("checkpoints/*.pt"))
+        out = getattr(e, "run_folder", None) or cfg.resume or cfg.out
+        made = out is not None and (Path(out) / "config.json").is_file()  # a folder that --resume can take
+        saved = made and any(Path(out).glob("checkpoints/*.pt"))
         where = (f"; the last good checkpoint is kept: python {script} --resume {out}" if saved else
-                 f"; no checkpoint was written yet (python {script} --resume {out} starts it again)" if out else "")
+                 f"; no checkpoint was written yet (python {script} --resume {out} starts it again)" if made else
+                 "; nothing was written: run the same command again")
         print(f"error: the run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}",
               file=sys.stderr)
         return 1

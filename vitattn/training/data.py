@@ -386,6 +386,7 @@ class Normalize(nn.Module):
 
     def __init__(self, mean=CIFAR10_MEAN, std=CIFAR10_STD) -> None:
         super().__init__()
+        self.mean, self.std = tuple(map(float, mean)), tuple(map(float, std))  # what a model's data config says
         self.register_buffer("scale", 1 / (255 * torch.tensor(std)).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("shift", -(torch.tensor(mean) / torch.tensor(std)).view(1, -1, 1, 1), persistent=False)
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..helpers import count_params
+from ..weights import describe
 from . import optim, runfolder, runtime, seeds
 from .errors import Interrupted, NonFiniteLoss
 
@@ -129,6 +130,8 @@ class Run:
     def save(self, rng: list[dict], result: dict | None = None) -> None:
         """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
         extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        if not isinstance(self.model, seeds.SeedStack):  # a stack's seeds are in their own files
+            extra["model_info"] = describe(self.model)
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
         runfolder.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
@@ -157,10 +160,12 @@ def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.O
         restored = runfolder.restore(resumed, model, opt, scaler, device, ranks.rank)
         state = TrainState(**{k: [v] if k in PER_SEED and not isinstance(v, list) else v  # a solo run of 0.2
                               for k, v in resumed["state"].items()})
-        if ema is not None and not state.done:
+        if ema is not None:  # a finished run's too: finish() would otherwise put the EMA's first copy in the model
             ema.load_state_dict(resumed["ema"])
-    if not restored:
-        torch.manual_seed(group[0] + 17 * ranks.rank)  # each rank's own dropout / drop-path stream
+    if not restored:  # each rank's own dropout / drop-path stream; in a group, each seed's own too
+        if isinstance(model, seeds.SeedStack):
+            model.start_streams([runtime.stream_seed(k, ranks.rank) for k in group], device)
+        torch.manual_seed(runtime.stream_seed(group[0], ranks.rank))
     # fp16's scaler decides on the host whether to step: its update stays eager
     update = optim.Update(opt, model, ema, grad_clip, seeds.lead_dims(model)) \
         if compile and not scaler.is_enabled() else None
@@ -199,22 +204,30 @@ def train_step(run: Run, batch: Any) -> int:
     return n
 
 
-def read_running(run: Run, bar) -> None:
-    """Move the device's running sums into the train state (waits for a GPU)."""
+def read_running(run: Run, bar, log: bool = True) -> None:
+    """Move the device's running sums into the train state (waits for a GPU); with ``log``, write
+    the running figures to the board (an epoch's end leaves them to ``evaluate_epoch``, which a
+    resumed run repeats when its checkpoint left the evaluation due)."""
     loss, correct = run.running.tolist()
     run.running.zero_()
     state = run.state
     state.loss_sum = [a + b for a, b in zip(state.loss_sum, loss)]
     state.correct_sum = [a + int(b) for a, b in zip(state.correct_sum, correct)]
-    if run.board is not None and state.count:
-        lr = run.lr_at(run.progress())
-        run.board.add(state.global_step, [{"train/loss": loss / state.count, "train/acc": hits / state.count,
-                                           "lr": lr, "images_per_s": run.images_per_s()}
-                                          for loss, hits in zip(state.loss_sum, state.correct_sum)])
+    if run.board is not None and state.count and log:
+        run.board.add(state.global_step, running_scalars(run, state.loss_sum, state.correct_sum, state.count))
     if bar is not None:  # the seeds' mean
         n = max(state.count, 1) * len(run.seeds)
         bar.set_postfix(loss=f"{sum(state.loss_sum) / n:.3f}", acc=f"{sum(state.correct_sum) / n:.3f}",
                         img_s=f"{run.images_per_s():.0f}")
+
+
+def running_scalars(run: Run, loss_sum, correct_sum, count) -> list[dict[str, float]]:
+    """The board's running figures, one dict per seed: the epoch's train loss and accuracy so far,
+    the lr and the speed."""
+    counts = count if isinstance(count, list) else [count] * len(loss_sum)
+    lr, speed = run.lr_at(run.progress()), run.images_per_s()
+    return [{"train/loss": loss / max(n, 1), "train/acc": hits / max(n, 1), "lr": lr, "images_per_s": speed}
+            for loss, hits, n in zip(loss_sum, correct_sum, counts)]
 
 
 def check_stop(run: Run, stop: runtime.StopFlag, pending_s: float) -> None:
@@ -279,7 +292,7 @@ def train_epoch(run: Run, stop: runtime.StopFlag, bar) -> None:
         if bar is not None:
             bar.update((round(min(state.train_seconds, run.budget_s) / 60, 2) - bar.n) if run.budget_s else 1)
     t0 = time.perf_counter()
-    read_running(run, bar)  # waits for the last steps' GPU work, which the clock must count
+    read_running(run, bar, log=False)  # waits for the last steps' GPU work, which the clock must count
     check_stop(run, stop, pending + time.perf_counter() - t0)
 
 
@@ -295,7 +308,7 @@ def end_epoch(run: Run, metrics: Path, log) -> None:
     runtime.average_buffers(run.model, ranks)  # each rank's BatchNorm statistics saw only its shard
     if run.ema is not None:
         runtime.average_buffers(run.ema.module, ranks)
-    rng = runtime.all_rng_states(run.device, ranks)  # a collective: every rank's streams go into rank 0's file
+    rng = runtime.all_rng_states(run.device, ranks, run.model)  # a collective: every rank's streams in rank 0's file
     if ranks.main:
         run.save(rng)
     evaluate_epoch(run, metrics, log)
@@ -330,13 +343,15 @@ def evaluate_epoch(run: Run, metrics: Path, log) -> None:
             evs.append(ev)
     state.eval_at, state.done = 0.0, run.progress() >= 1.0
     if not state.done:  # an evaluation may draw random numbers (a DataLoader's seed): the states after it
-        rng = runtime.all_rng_states(run.device, ranks)
+        rng = runtime.all_rng_states(run.device, ranks, run.model)
     if ranks.main:
         for line in lines:
             runfolder.append_jsonl(metrics, line)
-        if run.board is not None:
-            run.board.add(state.global_step, [{f"epoch/{k}": v for k, v in line.items() if k not in ("model", "seed")
-                                               and isinstance(v, (int, float))} for line in lines])
+        if run.board is not None:  # the epoch's end: its running figures and its line, at one step
+            running = running_scalars(run, sums[0], sums[1], sums[2]) if state.count else [{}] * len(lines)
+            run.board.add(state.global_step, [{**r, **{f"epoch/{k}": v for k, v in line.items()
+                                                       if k not in ("model", "seed") and isinstance(v, (int, float))}}
+                                              for r, line in zip(running, lines)])
             run.board.flush()
         log(epoch_line(run, lines, evs))
         if not state.done:
@@ -389,7 +404,7 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
                   "images_per_s_per_seed": run.images_per_s() / len(run.seeds)}
     if ranks.world > 1:  # DDP keeps the ranks' weights equal: checked, not assumed
         result["ranks_agree"] = runtime.ranks_agree(model, ranks)
-    rng = runtime.all_rng_states(run.device, ranks)
+    rng = runtime.all_rng_states(run.device, ranks, run.model)
     if ranks.main:
         run.save(rng, result)
     return result
@@ -412,7 +427,7 @@ def fit(run: Run, metrics: Path, stop: runtime.StopFlag, log, bar=None, info: di
             train_epoch(run, stop, bar)
             end_epoch(run, metrics, log)
     except Interrupted:  # every rank stops at the same step (check_stop), so all gather
-        rng = runtime.all_rng_states(run.device, run.ranks)
+        rng = runtime.all_rng_states(run.device, run.ranks, run.model)
         if run.ranks.main:
             run.save(rng)
         raise

@@ -347,10 +347,11 @@ def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]],
         else:
             result.update(context_figures(per_seed[0]))
         context[fam] = mean_context(per_seed)
-    if tensorboard and board.available() and not (out / "summary.json").exists():  # once: not on a finished resume
-        for fam, r in summary["models"].items():  # the end's figures at the last step
-            b = board.Board(out, fam, r.get("seeds", [summary["config"]["seed"]]))
-            b.add(r["steps"], board.final_scalars(r))
+    if tensorboard and board.available():
+        for fam, r in summary["models"].items():  # the end's figures one step after the last, purged there first:
+            end = r["steps"] + 1  # a report written again (a resume after a crash here) replaces them
+            b = board.Board(out, fam, r.get("seeds", [summary["config"]["seed"]]), purge_step=end)
+            b.add(end, board.final_scalars(r))
             b.close()
     figs = []
     if plots:

@@ -95,8 +95,11 @@ def append_jsonl(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file; an unterminated last line (a crash mid-write) is left out."""
+def read_jsonl(path: Path, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a JSON-lines file, each an object with ``keys``; an unterminated last line (a
+    crash mid-write) is left out. Any other line that is not such an object raises a
+    ``CheckpointError`` naming the file and the line: the file is a run's record, which nothing
+    may silently drop or read wrong."""
     text = Path(path).read_text()
     lines = text.splitlines()
     if lines and not text.endswith("\n"):
@@ -104,7 +107,29 @@ def read_jsonl(path: Path) -> list[dict]:
             json.loads(lines[-1])
         except json.JSONDecodeError:
             lines.pop()
-    return [json.loads(s) for s in lines if s.strip()]
+    rows = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not set(keys) <= set(row):
+                raise ValueError(f"expected a JSON object with {', '.join(keys) or 'fields'}, got {preview(row)}")
+        except ValueError as e:  # JSONDecodeError is one
+            raise CheckpointError(f"{path} line {i} is damaged ({e}); it is the run's record of its epochs: repair "
+                                  "that line or delete it, then resume again (lines after the last checkpoint are "
+                                  "written anew)") from None
+        rows.append(row)
+    return rows
+
+
+METRICS_KEYS = ("model", "step")  # what every line of a run's metrics.jsonl holds
+
+
+def check_metrics(out: Path) -> None:
+    """A resumed run's ``metrics.jsonl`` must read whole before anything is written (``read_jsonl``)."""
+    if (Path(out) / "metrics.jsonl").exists():
+        read_jsonl(Path(out) / "metrics.jsonl", METRICS_KEYS)
 
 
 def filter_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
@@ -244,13 +269,14 @@ def restore(loaded: dict, model: nn.Module, opt: Any, scaler: torch.amp.GradScal
         scaler.load_state_dict(loaded["scaler"])
     if rank >= len(loaded["rng"]):
         return False
-    set_rng_states(loaded["rng"][rank], device)
+    set_rng_states(loaded["rng"][rank], device, model)
     return True
 
 
 def save_safetensors(model: nn.Module, path: Path) -> None:
-    """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle."""
-    from safetensors.torch import save_file
+    """The model's weights as a ``.safetensors`` file (atomic), for loading without pickle, with
+    what they were trained with (``vitattn.weights``)."""
+    from ..weights import save_weights
 
     with atomic(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+        save_weights(model, path, tmp)

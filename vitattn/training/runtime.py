@@ -109,6 +109,12 @@ def pick_device(name: str, local_rank: int = 0, world: int = 1) -> torch.device:
     return torch.device("cuda", index)
 
 
+def stream_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s dropout / drop-path stream in a run of ``seed`` (< 2**32): ``seed``
+    itself on rank 0, and distinct for every (seed, rank) pair, within torch.manual_seed's 64 bits."""
+    return seed + rank * 2**32
+
+
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     """The random states a training step draws from: the CPU's, and ``device``'s when it is a GPU
     (dropout and drop-path draw there)."""
@@ -118,22 +124,29 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
-def all_rng_states(device: torch.device, ranks: Dist) -> list[dict[str, torch.Tensor]]:
+def all_rng_states(device: torch.device, ranks: Dist, model: nn.Module | None = None) -> list[dict]:
     """Every rank's ``rng_states``, in rank order, on every rank (a collective: all ranks call it),
-    so the checkpoint rank 0 writes gives each rank its own dropout stream back."""
-    states = rng_states(device)
+    so the checkpoint rank 0 writes gives each rank its own dropout stream back; with a stack of
+    seeds (``model.streams``), each seed's stream too."""
+    states: dict = rng_states(device)
+    streams = getattr(model, "streams", None)
+    if streams is not None:
+        states["streams"] = [{k: v.cpu() for k, v in s.items()} for s in streams]
     if ranks.world == 1:
         return [states]
     gathered: list = [None] * ranks.world
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in states.items()})
+    dist.all_gather_object(gathered, {k: v.cpu() if torch.is_tensor(v) else v for k, v in states.items()})
     return gathered
 
 
-def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Restore ``rng_states``; a checkpoint written on the CPU resumed on a GPU keeps the GPU's seed."""
+def set_rng_states(states: dict, device: torch.device, model: nn.Module | None = None) -> None:
+    """Restore ``rng_states`` (and a stack's per-seed ``streams``, into ``model``); a checkpoint
+    written on the CPU resumed on a GPU keeps the GPU's seed."""
     torch.set_rng_state(states["cpu"].cpu())
     if device.type == "cuda" and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+    if model is not None and "streams" in states and hasattr(model, "streams"):
+        model.streams = [{k: v.cpu() for k, v in s.items()} for s in states["streams"]]
 
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -33,20 +33,25 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .errors import UsageError
+from . import runtime
+from .errors import UsageError, preview
 
 MODES = ("loop", "vmap")
 MAX_SEED = 2**32  # torch.manual_seed's range
 
 
+MAX_GROUP = 256  # seeds in one process: a bound checked before any list is made
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
     """``'0,1,2,3'``, ``'0-7'`` or a mix (``'0-3,8'``) -> the seeds, in the order given. Refuses an
-    empty list, a negative or too large seed, a range that runs backwards and a seed named twice."""
-    flag = f"--seeds {text!r}"
+    empty list, a negative or too large seed, a range that runs backwards, a seed named twice and
+    more than ``MAX_GROUP`` seeds (counted from the ranges' ends, before any list is made)."""
+    flag = f"--seeds {preview(text)}"
     parts = [p.strip() for p in str(text).split(",")]
     if not any(parts):
         raise UsageError(f"{flag}: expected seeds such as '0,1,2,3' or '0-7', got an empty list")
-    seeds: list[int] = []
+    ranges: list[tuple[int, int]] = []
     for part in parts:
         m = re.fullmatch(r"(-?\d+)(?:\s*-\s*(-?\d+))?", part)
         if m is None:
@@ -59,8 +64,14 @@ def parse_seeds(text: str) -> tuple[int, ...]:
             raise UsageError(f"{flag}: the range {part!r} runs backwards; write '{hi}-{lo}'")
         if hi >= MAX_SEED:
             raise UsageError(f"{flag}: seeds must be below 2**32, got {hi}")
-        seeds += range(lo, hi + 1)
-    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        ranges.append((lo, hi))
+    count = sum(hi - lo + 1 for lo, hi in ranges)
+    if count > MAX_GROUP:
+        raise UsageError(f"{flag}: {count} seeds; one process trains at most {MAX_GROUP} at once (memory "
+                         "permitting): split them over several runs")
+    seeds = [s for lo, hi in ranges for s in range(lo, hi + 1)]
+    seen: set[int] = set()
+    twice = sorted({s for s in seeds if s in seen or seen.add(s)})
     if twice:
         raise UsageError(f"{flag}: each seed once, got {', '.join(map(str, twice))} more than once")
     return tuple(seeds)
@@ -100,7 +111,13 @@ class SeedStack(nn.Module):
             if ([n for n, _ in m.named_parameters()], [n for n, _ in m.named_buffers()]) != names or any(
                     a.shape != b.shape for a, b in zip(first.state_dict().values(), m.state_dict().values())):
                 raise ValueError("the models of a SeedStack must have the same parameters and buffers")
+        if mode == "vmap" and stochastic(first):
+            raise ValueError("under vmap every seed's dropout and drop path draw from one random stream, so no seed "
+                             "would train as its solo run; run the seeds in turn (mode 'loop')")
         self.seeds, self.mode = tuple(seeds), mode
+        self.__dict__["streams"] = None  # each seed's random state in training (start_streams), or the process's
+        # each seed's own data config (a long-range seed's images have their own statistics)
+        self.__dict__["member_cfgs"] = [copy.deepcopy(getattr(m, "pretrained_cfg", None)) for m in models]
         self.module = copy.deepcopy(first)
         for name, p in first.named_parameters():
             owner, attr = self._owner(name)
@@ -117,6 +134,18 @@ class SeedStack(nn.Module):
         for m in self.runner.modules() if mode == "vmap" else ():
             if hasattr(m, "fused"):
                 m.fused = False
+
+    def start_streams(self, seeds: Sequence[int], device: torch.device) -> None:
+        """Give seed ``s`` its own random stream, started from ``seeds[s]`` as its solo run starts the
+        process's (``torch.manual_seed``): in training each copy's forward draws its dropout and drop
+        path from it alone. The process's own state is left as it was."""
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            states = []
+            for k in seeds:
+                torch.manual_seed(k)
+                states.append(runtime.rng_states(device))
+        self.streams = states
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         path, _, attr = name.rpartition(".")
@@ -144,8 +173,18 @@ class SeedStack(nn.Module):
             return vmap(lambda t, xs: functional_call(self.runner, t, (xs,)), randomness="different")(tensors, x)
         # unbind once: the backward then stacks each tensor's S gradients in one copy
         slices = {k: v.unbind(0) if v.requires_grad else v for k, v in tensors.items()}
-        outs = [functional_call(self.runner, {k: v[s] for k, v in slices.items()}, (x[s],))
-                for s in range(self.num_seeds)]
+        streams = self.streams if self.training else None
+        device = next(iter(tensors.values())).device
+        outer = runtime.rng_states(device) if streams else None
+        outs = []
+        for s in range(self.num_seeds):
+            if streams:  # seed s draws from its own stream, as its solo run draws from the process's
+                runtime.set_rng_states(streams[s], device)
+            outs.append(functional_call(self.runner, {k: v[s] for k, v in slices.items()}, (x[s],)))
+            if streams:
+                streams[s] = runtime.rng_states(device)
+        if outer:
+            runtime.set_rng_states(outer, device)
         if isinstance(outs[0], tuple):
             return tuple(torch.stack(o) for o in zip(*outs))
         return torch.stack(outs)
@@ -156,9 +195,17 @@ class SeedStack(nn.Module):
         tensors = self.tensors()
         device = next(iter(tensors.values())).device
         m = copy.deepcopy(self.template).to_empty(device=device)
+        if self.member_cfgs[s] is not None:
+            m.pretrained_cfg = copy.deepcopy(self.member_cfgs[s])
         for name, t in tensors.items():
             (m.get_parameter(name) if name in dict(m.named_parameters()) else m.get_buffer(name)).copy_(t[s])
         return m.train(self.training)
+
+
+def stochastic(model: nn.Module) -> bool:
+    """Whether ``model`` draws random numbers in training: a dropout or a drop path above 0."""
+    return any((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) or getattr(m, "drop_prob", 0) > 0
+               for m in model.modules())
 
 
 def members(model: nn.Module) -> list[nn.Module]:

@@ -73,7 +73,7 @@ class Session:
                 st = run.state  # an epoch's figures at its checkpoint's step stay, unless evaluated again
                 again = bool(st.eval_at) or st.step_in_epoch > 0
                 run.board = board.Board(self.out, name, run.seeds, st.global_step + (not again) if st.global_step
-                                        else 0)
+                                        else 0)  # no checkpoint yet: everything an earlier session wrote goes
             else:
                 self.log(f"[{name}] no TensorBoard curves: the tensorboard package is not installed "
                          "(pip install tensorboard, or --no-tensorboard)")
@@ -108,8 +108,12 @@ def open_session(config: Any, script: str, prefix: str = "") -> Iterator[Session
     with contextlib.ExitStack() as folder:
         if cfg.resume:
             folder.enter_context(runfolder.hold(out, ranks.main))
+            runfolder.check_metrics(out)
         try:
             yield Session(cfg, script, ranks, device, out, log, folder)
+        except Exception as e:  # the folder this run uses, for the line that says how to resume it
+            e.run_folder = out
+            raise
         finally:
             if ranks.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
