@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)}
     if {"--seed", "--seeds"} <= given:  # a --seed equal to the default is not seen in the config
         p.error("--seed and --seeds together: give one of them (--seed N is --seeds N)")
-    return cli.parse_config(p, Config, argv, keep_on_resume=("progress",))
+    return cli.parse_config(p, Config, argv, keep_on_resume=("progress",), one_option=(("seed", "seeds"),))
 
 
 def command_line(argv: list[str] | None = None) -> int:

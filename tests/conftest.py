@@ -17,6 +17,12 @@ import torch
 import train_cifar as T
 
 
+@pytest.fixture(scope="session", autouse=True)
+def decode_cache(tmp_path_factory):
+    """Decoded data sets are cached for the tests' session only, not in the user's ~/.cache."""
+    os.environ["VITATTN_CACHE"] = str(tmp_path_factory.mktemp("vitattn-cache"))
+
+
 def have_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
 

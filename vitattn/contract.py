@@ -56,6 +56,8 @@ class TimmModel:
         if global_pool is not None:
             self.check_global_pool(global_pool, num_classes)
             self.global_pool = global_pool
+        if num_classes != self.num_classes:  # the old head's class names name nothing now
+            self.pretrained_cfg.pop("label_names", None)
         self.num_classes = self.pretrained_cfg["num_classes"] = num_classes
         self.new_classifier(num_classes)
 

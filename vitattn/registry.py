@@ -57,7 +57,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "vit_quick": ("vit", dict(img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4, mlp_ratio=2.0,
                               num_classes=10), "a small CIFAR ViT for smoke tests and first runs, ~0.8M params"),
     "cnn_quick": ("cnn", dict(stem_width=24, widths=(32, 96, 96), num_classes=10, **_AIRBENCH),
-                  "a small CIFAR CNN for smoke tests and first runs, ~0.2M params"),
+                  "a small CIFAR CNN for smoke tests and first runs, ~0.3M params"),
 }
 
 _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}

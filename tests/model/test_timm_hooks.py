@@ -51,8 +51,12 @@ def test_timm_data_config_reads_the_models_own_values(name, size, mean):
     cfg = resolve_data_config(model=model)
     assert cfg["input_size"] == (3, size, size) and tuple(cfg["mean"]) == mean
     assert model.default_cfg is model.pretrained_cfg and model.get_classifier() is model.head
+    model.pretrained_cfg["label_names"] = [f"class {i}" for i in range(model.num_classes)]
+    model.reset_classifier(model.num_classes)
+    assert len(model.pretrained_cfg["label_names"]) == model.num_classes  # the same classes keep their names
     model.reset_classifier(7)
     assert model.pretrained_cfg["num_classes"] == 7 and model.get_classifier().out_features == 7
+    assert "label_names" not in model.pretrained_cfg  # a new head's classes are not the old names
 
 
 def _grads_and_saved_bytes(model, x):

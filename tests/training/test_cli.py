@@ -137,3 +137,23 @@ def test_help_says_each_default_once_and_the_chosen_models_recipe(capsys):
     assert "--batch-size BATCH_SIZE images per step" in help_of("--model", "cnn", "--dataset", "long-range")
     assert "(default: 64, the cnn recipe's)" in help_of("--model", "cnn", "--dataset", "long-range")
     assert "(default: --no-amp)" in both
+
+
+def test_a_config_file_reads_yaml_numbers_as_people_write_them_and_the_command_line_wins(tmp_path, capsys):
+    """``lr: 1e-3`` is a number (YAML 1.2 and every other reader; PyYAML's 1.1 made it a string);
+    ``--seed`` on the command line beats the file's ``seeds`` and ``--seeds`` its ``seed``: the two
+    are one option, and the command line always wins."""
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 1e-3\nweight_decay: 5E-4\nwarmup_lr: 2.5e-5\nmin_lr: 0\n")
+    cfg = T.parse_args(["-c", str(f), "--model", "vit"])
+    assert (cfg.lr, cfg.weight_decay, cfg.warmup_lr, cfg.min_lr) == (1e-3, 5e-4, 2.5e-5, 0.0)
+    f.write_text("seeds: 0-3\n")
+    for argv, seeds in ((["--seed", "1"], (1,)), (["--seed", "0"], (0,)), ([], (0, 1, 2, 3))):
+        assert T.parse_args(["-c", str(f), *argv]).seed_list() == seeds, argv
+    f.write_text("seed: 5\n")
+    assert T.parse_args(["-c", str(f), "--seeds", "2,3"]).seed_list() == (2, 3)
+    assert T.parse_args(["-c", str(f)]).seed_list() == (5,)
+    f.write_text("seed: 5\nseeds: 0-3\n")  # both in one file: the file itself is ambiguous
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["-c", str(f)])
+    assert e.value.code == 2 and "together" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,11 +54,13 @@ def test_a_class_balanced_subset_keeps_every_class_in_turn_and_the_order():
     assert torch.bincount(shuffled[D.class_balanced(shuffled, 6)]).tolist() == [2, 2, 2]
 
 
-def test_cache_is_written_beside_the_data_and_reused(tmp_path, monkeypatch):
-    src = write_tar(tmp_path / "c.tar.gz")
+def test_the_cache_lives_in_the_user_cache_and_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITATTN_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "data").mkdir()
+    src = write_tar(tmp_path / "data" / "c.tar.gz")
     first = D.load_cifar(src)
-    cached = list(tmp_path.glob(".c.tar.gz.vitattn-*.pt"))
-    assert len(cached) == 1
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["c.tar.gz"]  # nothing beside the data
+    assert len(list((tmp_path / "cache").glob("c.tar.gz-*.pt"))) == 1
     monkeypatch.setattr(D, "read_tar", lambda p: pytest.fail("decoded again despite the cache"))
     again = D.load_cifar(src)
     assert torch.equal(first.train_x, again.train_x) and again.classes == first.classes
@@ -83,6 +86,36 @@ def test_cache_key_changes_with_the_source(tmp_path):
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert D.cache_path(src) != before
+
+
+def test_a_folder_read_from_inside_keeps_one_cache_that_follows_its_images(tmp_path, monkeypatch):
+    """``--data-dir .``: the cache is not written into the data (where it changed the folder's own
+    key and grew by a copy of the data each run); the key follows images added, removed or
+    renamed, one cache per source is kept, and a start stats the folders, not every image."""
+    monkeypatch.setenv("VITATTN_CACHE", str(tmp_path / "cache"))
+    root = write_folder(tmp_path / "cifar", n_train=20, n_test=4)
+    monkeypatch.chdir(root)
+    D.load_cifar(".")
+    D.load_cifar(".")
+    assert sorted(p.name for p in root.iterdir()) == ["test", "train"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    key = D.cache_path(Path("."))
+    stats = []
+    real_stat = Path.stat
+    monkeypatch.setattr(Path, "stat", lambda self, **kw: stats.append(self) or real_stat(self, **kw))
+    assert D.cache_path(Path(".")) == key
+    monkeypatch.undo()
+    monkeypatch.setenv("VITATTN_CACHE", str(tmp_path / "cache"))
+    assert stats and not [p for p in stats if p.suffix == ".png"]  # the folders, none of the 72 images
+    cat = root / "train" / "cat"
+    for change in (lambda: (cat / "0000.png").rename(cat / "moved.png"),
+                   lambda: (cat / "extra.png").write_bytes((cat / "moved.png").read_bytes()),
+                   lambda: (cat / "extra.png").unlink()):
+        change()
+        assert D.cache_path(root) != key
+        key = D.cache_path(root)
+        D.load_cifar(root)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # an older key's cache goes
 
 
 def test_missing_data_lists_every_way_to_supply_it(tmp_path):
@@ -160,16 +193,27 @@ def test_reflect_padding_shifts_in_the_mirrored_border():
         D.translate_flip(x, 2, True, gen(), "edge")
 
 
-def test_cutout_zeroes_at_most_one_square():
-    x = torch.full((16, 3, 32, 32), 7, dtype=torch.uint8)
-    out = D.cutout(x, 8, torch.Generator().manual_seed(0))
-    zeros = (out == 0).all(1).flatten(1).sum(1)
-    assert (zeros > 0).all() and (zeros <= 81).all()  # side size // 2 * 2 + 1 = 9 at most
+@pytest.mark.parametrize("size", [1, 4, 7, 8])
+def test_cutout_covers_one_size_by_size_square_with_the_mean_colour(size):
+    """DeVries & Taylor cut the square out of normalised images, where zero is the mean: here the
+    uint8 square takes the mean colour, which normalises to ~0, and is exactly size x size (less
+    where it overhangs an edge)."""
+    x = torch.full((64, 3, 32, 32), 7, dtype=torch.uint8)
+    mean = (0.5, 0.25, 0.75)
+    fill = D.mean_colour(mean)
+    out = D.cutout(x, size, torch.Generator().manual_seed(0), fill)
+    hole = (out != 7).any(1)  # (B, H, W)
+    assert torch.equal(out.permute(0, 2, 3, 1)[hole], fill.expand(int(hole.sum()), 3))
+    rows, cols = hole.any(2).sum(1), hole.any(1).sum(1)
+    assert (rows <= size).all() and (cols <= size).all() and (rows == size).any() and (cols == size).any()
+    assert torch.equal(hole.flatten(1).sum(1), rows * cols)  # one rectangle, the square cut by the edges
+    normed = D.Normalize(mean, (0.2, 0.2, 0.2))(out)
+    assert normed.permute(0, 2, 3, 1)[hole].abs().max() < 1 / (255 * 0.2)  # within one grey level of zero
 
 
 def test_augment_is_deterministic_per_generator_seed():
     x = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
-    aug = D.Augment(translate=4, flip=True, cutout=6)
+    aug = D.Augment(translate=4, flip=True, cutout=6, fill=(0.5, 0.5, 0.5))
     a = aug(x, D.step_generator(0, 1, 2))
     b = aug(x, D.step_generator(0, 1, 2))
     c = aug(x, D.step_generator(0, 1, 3))

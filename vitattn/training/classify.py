@@ -540,7 +540,8 @@ def classify_task(family: str, cfg: Config, ds: Dataset, device: torch.device, r
     """The task of training ``family`` as ``cfg`` says on ``ds``: this rank's shard of the
     training images in batches of its recipe, augmented as it says."""
     r = cfg.recipe(family)
-    augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode)
+    augment = data.Augment(translate=r.translate, flip=cfg.flip, cutout=r.cutout, padding_mode=r.padding_mode,
+                           fill=ds.norm.mean)
     loader = data.BatchLoader(ds.data.train_x, ds.data.train_y, r.batch_size // ranks.world, shuffle=True,
                               drop_last=True, augment=augment, seed=cfg.seed, rank=ranks.rank, world_size=ranks.world)
     return ClassifyTask(family, loader, ds.norm, ds.data.test_x, ds.data.test_y, device=device, ranks=ranks,

@@ -116,17 +116,28 @@ def build_parser(cls: type, description: str, epilog: str | None = None,
     return p
 
 
+_UNSET = object()  # a value no option parses to: what the command line did not give
+
+
 def parse_config(p: argparse.ArgumentParser, cls: type, argv: list[str] | None,
-                 keep_on_resume: tuple[str, ...] = ()) -> Any:
+                 keep_on_resume: tuple[str, ...] = (), one_option: tuple[tuple[str, ...], ...] = ()) -> Any:
     """Parse ``argv`` into ``cls``: ``-c FILE`` values become defaults that the command line
-    overrides; with ``--resume`` no other option may change (a resumed run keeps its own, and
-    silently ignoring new ones would be wrong work) except those in ``keep_on_resume``. A config
-    that ``cls`` refuses (a UsageError) is a usage error of the parser: exit 2, one line."""
+    overrides; fields grouped in ``one_option`` (``--seed`` and ``--seeds``) count as one option,
+    so one of them on the command line also overrides the file's value of the others. With
+    ``--resume`` no other option may change (a resumed run keeps its own, and silently ignoring
+    new ones would be wrong work) except those in ``keep_on_resume``. A config that ``cls``
+    refuses (a UsageError) is a usage error of the parser: exit 2, one line."""
     first, _ = p.parse_known_args(argv)
-    if first.config:
-        p.set_defaults(**config_file_defaults(p, first.config, cls))
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()}
     fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    file = config_file_defaults(p, first.config, cls) if first.config else {}
+    given = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(
+        **{a.dest: _UNSET for a in p._actions if a.dest != "help"}))).items() if v is not _UNSET}
+    for group in one_option:
+        if given & set(group):
+            for k in set(group) - given:
+                file.pop(k, None)  # the command line's own form of the option wins over the file's other form
+    p.set_defaults(**file)
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()}
     args = {k: v for k, v in args.items() if k in fields_}
     if args.get("resume"):
         changed = sorted(k for k, v in args.items() if k not in ("resume", *keep_on_resume)
@@ -185,6 +196,21 @@ def _type_ok(annotation: str, value: Any) -> bool:
     return False
 
 
+def _loader():
+    """PyYAML's SafeLoader reading floats as YAML 1.2 does: ``1e-3`` is a number (YAML 1.1, which
+    PyYAML follows, wants ``1.0e-3`` and reads ``1e-3`` as a string)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+    return Loader
+
+
 def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> dict[str, Any]:
     """``-c FILE``: a YAML mapping of option names (``lr`` or ``--lr`` style) to values, each of
     its option's type. The file must be UTF-8 text whose aliases expand to at most
@@ -198,11 +224,11 @@ def config_file_defaults(p: argparse.ArgumentParser, path: str, cls: type) -> di
     except UnicodeDecodeError as e:
         p.error(f"-c {path}: expected UTF-8 text, got a byte {e.object[e.start]:#04x} at offset {e.start} that is not")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_loader())
         size = _expanded_nodes(node, {}) if node is not None else 0
         if size > YAML_MAX_NODES:
             raise ValueError(f"its aliases expand to {size:,} values, more than {YAML_MAX_NODES:,}")
-        values = yaml.safe_load(text) or {}
+        values = yaml.load(text, Loader=_loader()) or {}  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         p.error(f"-c {path}: cannot read it as a config: {why}")

@@ -248,22 +248,29 @@ def find_source(path: str | os.PathLike) -> tuple[str, Path]:
     raise DataError(how_to_supply(path))
 
 
-def cache_path(source: Path) -> Path:
-    """Where the decoded tensors of ``source`` live: beside it when that folder is writable,
-    else under ``~/.cache/vitattn/``; the name keys on the path, size and mtime."""
+def fingerprint(source: Path) -> str:
+    """What the cache of ``source`` keys on, read without touching every image: an archive's size
+    and mtime; a folder's files at its top (the batch files) by size and mtime, and its folders two
+    levels down (splits, classes) by mtime and number of entries, which change whenever an image is
+    added, removed or renamed. An image rewritten in place under its old name is not seen: delete
+    the cache (the run's first line names it)."""
     st = source.stat()
-    if source.is_dir():  # a folder's content changes show in its files, not its own mtime
-        files = [f for f in source.rglob("*") if f.is_file()]
-        st_size = sum(f.stat().st_size for f in files)
-        st_mtime = max((f.stat().st_mtime_ns for f in files), default=st.st_mtime_ns)
-    else:
-        st_size, st_mtime = st.st_size, st.st_mtime_ns
-    key = hashlib.sha1(f"{source.resolve()}|{st_size}|{st_mtime}|{CACHE_VERSION}".encode()).hexdigest()[:12]
-    name = f".{source.name}.vitattn-{key}.pt"
-    beside = source.parent
-    # os.access says yes to root even on a folder marked read-only; honour the marking too
-    if os.access(beside, os.W_OK) and beside.stat().st_mode & 0o200:
-        return beside / name
+    if not source.is_dir():
+        return f"{st.st_size}|{st.st_mtime_ns}"
+    splits = sorted(p for p in source.iterdir() if p.is_dir())
+    dirs = [source, *splits, *sorted(c for p in splits for c in p.iterdir() if c.is_dir())]
+    parts = [f"{d.relative_to(source)}:{d.stat().st_mtime_ns}:{sum(1 for _ in os.scandir(d))}" for d in dirs]
+    parts += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(source.iterdir()) if f.is_file()]
+    return "|".join(parts)
+
+
+def cache_path(source: Path) -> Path:
+    """Where the decoded tensors of ``source`` live: under ``$VITATTN_CACHE`` (default
+    ``~/.cache/vitattn/``), never inside or beside the data, named by the source's path and
+    keyed on its :func:`fingerprint`."""
+    where = hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:8]
+    key = hashlib.sha1(f"{fingerprint(source)}|{CACHE_VERSION}".encode()).hexdigest()[:12]
+    name = f"{source.resolve().name or 'root'}-{where}-{key}.pt"
     return Path(os.environ.get("VITATTN_CACHE", Path.home() / ".cache" / "vitattn")) / name
 
 
@@ -296,6 +303,10 @@ def load_cifar(path: str | os.PathLike = "./data", *, download: bool = False, ca
             torch.save({"train_x": data.train_x, "train_y": data.train_y, "test_x": data.test_x,
                         "test_y": data.test_y, "classes": list(data.classes)}, tmp)
             os.replace(tmp, cp)  # atomic: a reader never sees half a cache
+            stem = cp.name.rsplit("-", 1)[0]  # one cache per source: an older key's file goes
+            for old in cp.parent.glob(f"{stem}-*.pt"):
+                if old != cp:
+                    old.unlink(missing_ok=True)
         except OSError:
             pass  # a cache we cannot write only costs the decode next time
     return data
@@ -341,29 +352,43 @@ def translate_flip(x: torch.Tensor, pad: int, flip: bool, gen: torch.Generator,
     return xp.gather(3, cols[:, None, None, :].expand(b, c, h, w))
 
 
-def cutout(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
-    """Zero one ``size x size`` square per image, centred anywhere (it may overhang the edge)."""
+def mean_colour(mean) -> torch.Tensor:
+    """Per-channel means in [0, 1] as the uint8 colour ``(C,)`` nearest to them."""
+    return (torch.tensor(mean, dtype=torch.float64) * 255).round().to(torch.uint8)
+
+
+def cutout(x: torch.Tensor, size: int, gen: torch.Generator, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """Cover one ``size x size`` square per image, its centre anywhere (it may overhang the edge),
+    with ``fill``, a uint8 colour ``(C,)`` (default black). DeVries & Taylor zero the square of the
+    normalised image, i.e. paint it the mean: pass ``mean_colour`` of the normalisation's mean."""
     if size <= 0:
         return x
-    b, _, h, w = x.shape
-    cy = torch.randint(0, h, (b,), generator=gen, device=x.device)[:, None, None]
-    cx = torch.randint(0, w, (b,), generator=gen, device=x.device)[:, None, None]
+    b, c, h, w = x.shape
+    top = torch.randint(0, h, (b,), generator=gen, device=x.device)[:, None, None] - size // 2
+    left = torch.randint(0, w, (b,), generator=gen, device=x.device)[:, None, None] - size // 2
     ys, xs = torch.arange(h, device=x.device)[None, :, None], torch.arange(w, device=x.device)[None, None, :]
-    hole = ((ys - cy).abs() <= size // 2) & ((xs - cx).abs() <= size // 2)  # (B, H, W)
-    return x.masked_fill(hole[:, None], 0)
+    hole = (ys >= top) & (ys < top + size) & (xs >= left) & (xs < left + size)  # (B, H, W)
+    colour = torch.zeros(c, dtype=x.dtype, device=x.device) if fill is None else fill.to(x.device, x.dtype)
+    return torch.where(hole[:, None], colour.view(1, c, 1, 1), x)
 
 
 @dataclass
 class Augment:
     translate: int = 2  # max shift in pixels
     flip: bool = True  # random horizontal mirror
-    cutout: int = 0  # side of a zeroed square in pixels; 0 = off
+    cutout: int = 0  # side of a square painted with the images' mean colour, in pixels; 0 = off
     padding_mode: str = "constant"  # what a shift brings in at the border: zeros or the mirrored image
+    fill: tuple[float, ...] = (0.0, 0.0, 0.0)  # the cutout's colour: the normalisation's mean, in [0, 1]
 
     def __call__(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if self.translate > 0 or self.flip:
             x = translate_flip(x, self.translate, self.flip, gen, self.padding_mode)
-        return cutout(x, self.cutout, gen)
+        if self.cutout <= 0:
+            return x
+        colours = self.__dict__.setdefault("_colours", {})  # made once per device: no copy to a GPU per batch
+        if x.device not in colours:
+            colours[x.device] = mean_colour(self.fill).to(x.device)
+        return cutout(x, self.cutout, gen, colours[x.device])
 
 
 def channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:

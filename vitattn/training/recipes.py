@@ -34,7 +34,8 @@ class Recipe:
     label_smoothing: float = option(help="cross-entropy target smoothing, in [0, 1)")
     grad_clip: float = option(help="max gradient norm; 0 = off", aliases=("--clip-grad",))
     translate: int = option(help="augmentation: max shift in pixels")
-    cutout: int = option(help="augmentation: zeroed square side in pixels; 0 = off")
+    cutout: int = option(help="augmentation: side in pixels of a square painted with the images' mean colour "
+                              "(DeVries & Taylor's zero after normalising); 0 = off")
     epochs: float = option(help="passes over the training set when neither epochs nor a time budget is given")
     momentum: float = option(0.9, "SGD's (Nesterov) momentum, or AdamW's beta1, in [0, 1)")
     beta2: float = option(0.999, "AdamW's beta2, in [0, 1)")

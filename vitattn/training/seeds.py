@@ -116,6 +116,7 @@ class SeedStack(nn.Module):
                              "would train as its solo run; run the seeds in turn (mode 'loop')")
         self.seeds, self.mode = tuple(seeds), mode
         self.__dict__["streams"] = None  # each seed's random state in training (start_streams), or the process's
+        self.draws = stochastic(first)  # only then are the streams swapped in (a compiled step breaks its graph there)
         # each seed's own data config (a long-range seed's images have their own statistics)
         self.__dict__["member_cfgs"] = [copy.deepcopy(getattr(m, "pretrained_cfg", None)) for m in models]
         self.module = copy.deepcopy(first)
@@ -173,7 +174,7 @@ class SeedStack(nn.Module):
             return vmap(lambda t, xs: functional_call(self.runner, t, (xs,)), randomness="different")(tensors, x)
         # unbind once: the backward then stacks each tensor's S gradients in one copy
         slices = {k: v.unbind(0) if v.requires_grad else v for k, v in tensors.items()}
-        streams = self.streams if self.training else None
+        streams = self.streams if self.training and self.draws else None
         device = next(iter(tensors.values())).device
         outer = runtime.rng_states(device) if streams else None
         outs = []
