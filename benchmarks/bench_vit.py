@@ -6,7 +6,7 @@ on the same inputs: repeat r times ``for lib in rotated(libs): time `iters` step
 medians. On a shared, noisy machine only figures taken side by side like this are comparable.
 
 Per case and library it prints images/s, the ratio to the best *peer* (the fastest of the other
-libraries), achieved GFLOP/s (``torch.utils.flop_counter.FlopCounterMode``, counted per model)
+libraries), achieved GFLOP/s (torch's FLOP formulas, ``vitattn.helpers.count_flops``, counted per model)
 and its share of a fp32 matmul peak measured in the same run, and the peak memory of one step
 (CPU allocator events from ``torch.profiler``; with ``--device cuda`` the CUDA allocator's peak).
 
@@ -40,31 +40,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 LIBS = ("vitattn", "timm", "torchvision", "vit-pytorch")
-# vitattn with one of its speed choices undone: not a peer, it shows what each choice buys,
-# measured side by side. docs/performance.md has a run that also pinned a oneDNN linear path,
-# since removed.
-def _explicit_attention(model: nn.Module) -> None:
-    for blk in model.blocks:
-        blk.attn.fused = False
 
 
-def _full_last_block(model: nn.Module) -> None:
-    # the readable path: the last block computed for every token, then the class token read
-    model.forward = lambda x: model.forward_head(model.forward_features(x))
+class WholeLastBlock(nn.Module):
+    """A ViT called through its public parts, ``forward_head(forward_features(x))``: the last
+    block computed for every token, as a hook or a trace sees it (no class-token shortcut)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vit.forward_head(self.vit.forward_features(x))
 
 
-def _rotary_codes(model: nn.Module) -> None:
-    # not a speed choice but an option's cost: 2-D rotary codes on q and k (read at each forward)
-    model.config.use_rot_pos_emb = True
-
-
-VARIANTS: dict[str, Callable[[nn.Module], None]] = {
-    "vitattn[explicit]": _explicit_attention,
-    "vitattn[full last block]": _full_last_block,
-    "vitattn[rotary codes]": _rotary_codes,
+# vitattn with one of its speed choices undone (or an option's cost), through a config field or a
+# public method, never a patched model: not a peer, it shows what each choice buys, side by side.
+VARIANTS: dict[str, dict] = {
+    "vitattn[explicit]": dict(fused_attn=False),  # the readable softmax(q k^T) v path
+    "vitattn[full last block]": dict(whole=True),  # WholeLastBlock
+    "vitattn[rotary codes]": dict(use_rot_pos_emb=True),  # 2-D rotary codes on q and k, read at each forward
 }
 
 
@@ -108,14 +106,12 @@ GROUPS = {"a": ["cifar_train", "cifar_lee_train"], "b": ["tiny_infer", "small_in
 # -- the models, same dimensions in every library ---------------------------------------------------
 def build_model(lib: str, c: Case) -> nn.Module:
     hidden = int(c.dim * c.mlp_ratio)
-    if lib in VARIANTS:
-        model = build_model("vitattn", c)
-        VARIANTS[lib](model)
-        return model
-    if lib == "vitattn":
+    if lib == "vitattn" or lib in VARIANTS:
         from vitattn import ViT, ViTConfig
-        return ViT(ViTConfig(img_size=c.img, patch_size=c.patch, embed_dim=c.dim, depth=c.depth, num_heads=c.heads,
-                             mlp_ratio=c.mlp_ratio, num_classes=c.num_classes))
+        fields = {k: v for k, v in VARIANTS.get(lib, {}).items() if k != "whole"}
+        vit = ViT(ViTConfig(img_size=c.img, patch_size=c.patch, embed_dim=c.dim, depth=c.depth, num_heads=c.heads,
+                            mlp_ratio=c.mlp_ratio, num_classes=c.num_classes, **fields))
+        return WholeLastBlock(vit) if VARIANTS.get(lib, {}).get("whole") else vit
     if lib == "timm":
         from timm.models.vision_transformer import VisionTransformer
         return VisionTransformer(img_size=c.img, patch_size=c.patch, embed_dim=c.dim, depth=c.depth,
@@ -178,9 +174,11 @@ FLOP_MAPPING = {
 
 
 def count_flops(step: Callable[[], object]) -> int:
-    with FlopCounterMode(display=False, custom_mapping=FLOP_MAPPING) as counter:
-        step()
-    return counter.get_total_flops()
+    """A step's FLOPs by torch's formulas (``vitattn.helpers.count_flops``: no module hooks, so
+    vitattn's ViT counts the work its timed steps do)."""
+    from vitattn.helpers import count_flops as flops
+
+    return flops(step, formulas=FLOP_MAPPING)
 
 
 def peak_memory(step: Callable[[], object], device: torch.device) -> int:

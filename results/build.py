@@ -1,26 +1,25 @@
-"""Build the curated result tables from the raw run files.
+"""Build the curated result tables from the raw run files and the catalog of curated runs.
 
     python -m results.build            # writes results/*.csv and the tables in README.md and docs/
     python -m results.build --check    # exits 1 if any of them is out of date (the test suite runs this)
 
     python -m results.build --add runs/RUN NAME   # takes a finished train_cifar.py run in as NAME, then builds
 
-Sources: ``docs/results/runs.json`` (each ``train_cifar.py`` run's summary under its name),
-``docs/results/*_summaries.json`` (a sweep's summaries under a key each), ``results/epochs.csv``
-(every run's metrics lines, one row per run, model, seed and epoch: what the curves are drawn
-from; ``--add`` writes both) and the step-speed JSONs of ``benchmarks/`` in ``benchmarks/results/``.
-Outputs, one CSV per study:
+Three steps, each a function: **collect** the rows of every kept run (``docs/results/runs.json``
+by name, a sweep's ``docs/results/*_summaries.json`` as ``<file stem>/<key>``, the benchmarks'
+JSONs in ``benchmarks/results/``, the detection experiment), **render** the tables that
+``results/catalog.toml`` describes (which runs each row shows, what the machine tags mean), and
+**splice** each table between ``<!-- results:NAME:begin -->`` / ``<!-- results:NAME:end -->`` in
+README.md and docs/*.md. Outputs, one CSV per study:
 
-- ``results/cifar10.csv``: every CIFAR-10 run, one row per model and seed;
-- ``results/long_range.csv``: every long-range run, one row per model and seed;
+- ``results/cifar10.csv``, ``results/long_range.csv``: every run, one row per model and seed;
 - ``results/detection.csv``: the shapes detection experiment (``docs/results/detect_shapes.json``);
-- ``results/step_speed.csv``: training-step speed against the peers (bench_vit) and fp32 against
-  bf16 (precision_step); several seeds at once against one after another (seeds_step);
+- ``results/step_speed.csv``: training-step speed against the peers (bench_vit), fp32 against
+  bf16 (precision_step), several seeds at once against one after another (seeds_step);
+- ``results/epochs.csv`` (written by ``--add``): every run's metrics lines.
 
-and the tables between ``<!-- results:NAME:begin -->`` / ``<!-- results:NAME:end -->`` markers in
-README.md and docs/*.md, built from the CSV rows that ``TABLES[NAME]`` names. A row's ``command`` is the
-``train_cifar.py`` command that reproduces it (options that differ from today's defaults; the data
-path written as ``path/to/cifar10``).
+A row's ``command`` is the ``train_cifar.py`` command that reproduces it (options that differ
+from today's defaults; the data path written as ``path/to/cifar10``).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import io
 import json
 import re
@@ -38,16 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RAW = ROOT / "docs" / "results"
 BENCH = ROOT / "benchmarks" / "results"
 OUT = ROOT / "results"
-# machine tags in the raw files' names -> what the hardware is
-MACHINES = {"epyc2avx2": "2-core AMD EPYC VM, AVX2", "epyc2x512": "2-core AMD EPYC VM, AVX-512",
-            "epyc2bf16": "2-core AMD EPYC VM, AVX-512 + AVX512-BF16",
-            "epyc2": "2-core AMD EPYC VM, AVX2", "xeon2amx": "2-core Intel Xeon VM, AVX-512 + AMX",
-            # up to 11 runs at once on one GPU: their images/s are shares, not the GPU's speed
-            "h200shared": "NVIDIA H200 (TF32), shared by up to 11 runs"}
-# the tables' short names of the machines (defined under README's table and in docs/training.md)
-SHORT = {"2-core AMD EPYC VM, AVX2": "EPYC AVX2", "2-core AMD EPYC VM, AVX-512": "EPYC AVX-512",
-         "2-core AMD EPYC VM, AVX-512 + AVX512-BF16": "EPYC BF16", "2-core Intel Xeon VM, AVX-512 + AMX": "Xeon AMX",
-         "NVIDIA H200 (TF32), shared by up to 11 runs": "H200 shared"}
+CATALOG = OUT / "catalog.toml"
+RUNS = RAW / "runs.json"
+EPOCHS = OUT / "epochs.csv"
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "attention_px_block1", "erf_px_first",
                "erf_px_last", "accuracy_farthest", "farthest_px", "images_per_s", "train_min", "params", "hardware",
@@ -56,124 +49,62 @@ DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_
                      "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
 EPOCH_COLUMNS = ("run", "model", "seed", "epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
                  "train_seconds", "images_per_s", "optimizer", "peak_lr", "batch_size", "hardware", "command")
-RUNS = RAW / "runs.json"
-EPOCHS = OUT / "epochs.csv"
 SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rate", "unit", "ratio", "peak_mb",
                  "round_ratios_vs_timm", "hardware", "torch", "command")
-# The tables of README.md and docs/*.md, between <!-- results:NAME:begin --> and <!-- results:NAME:end -->.
-# A row: (task, CSV, run or runs (their seeds share the row), model family, what it is).
-SEEDS = tuple(range(10))
-ROPE = tuple(f"longrange_vit_rope_xeon2amx/seed{k}_rope_sincos" for k in SEEDS)  # the long-range ViT, 10 seeds
-LR_GROUP = "longrange_both_seeds4_xeon2amx"  # README's long-range command: 4 seeds of each model at once
-VIT_10 = ("cifar10_vit_10epochs_h200shared", "cifar10_vit_10epochs_seed1_h200shared")  # today's default
-VIT_10_GROUP = "cifar10_vit_10epochs_seeds4_epyc2bf16"  # README's command: 4 seeds at once, bf16 autocast
-CNN_10_GROUP = "cifar10_cnn_10epochs_seeds4_epyc2bf16"  # the same for the CNN
-BOTH_30_GROUP = "cifar10_both_30min_seeds4_epyc2bf16"  # README's 30-minute command: both models, 4 seeds each, bf16
-CLS_10 = ("cifar10_vit_clstoken_10epochs_h200shared", "cifar10_vit_clstoken_10epochs_seed1_h200shared")
-SPT_LSA_10 = ("cifar10_vit_spt_lsa_10epochs_h200shared",)
-DISTILLED_10 = ("cifar10_vit_distilled_10epochs_h200shared", "cifar10_vit_distilled_10epochs_seed1_h200shared")
-TEACHER_10 = "cifar10_cnn_widths64-256-256_teacher_10epochs_h200shared"  # DISTILLED_10's teacher
-WIDE_10 = ("cifar10_cnn_widths64-256-256_10epochs_h200shared", "cifar10_cnn_widths64-256-256_10epochs_seed1_h200shared")
-L_10 = ("cifar10_vit_depth9w192_10epochs_h200shared", "cifar10_vit_depth9w192_10epochs_seed1_h200shared")
-# README's table: (task, study, {family or 'control': run(s)}); both families of a --model both run share it
-README_ROWS = (
-    ("CIFAR-10, 10 epochs", "cifar10", {"vit": VIT_10_GROUP, "cnn": CNN_10_GROUP}),
-    ("CIFAR-10, 30 min per seed", "cifar10", {"vit": BOTH_30_GROUP, "cnn": BOTH_30_GROUP}),
-    ("long range (control: a bag of local features)", "long_range",
-     {"vit": LR_GROUP, "cnn": LR_GROUP, "control": "longrange_control_3epochs_epyc2x512"}),
-)
-TABLES = {
-    "long_range": (
-        ("default: 2 blocks, sin-cos table + rotary codes", "long_range", ROPE, "vit", "ViT"),
-        ("the same, 4 seeds at once (`--seeds 0-3`)", "long_range", LR_GROUP, "vit", "ViT"),
-        ("2 blocks, sin-cos table alone", "long_range",
-         (*(f"longrange_vit_table_6epochs{'' if k == 0 else f'_seed{k}'}_epyc2x512" for k in range(5)),
-          *(f"longrange_vit_heads_xeon2amx/seed{k}_default" for k in range(5, 10))), "vit", "ViT"),
-        ("2 blocks, rotary codes, no table", "long_range",
-         tuple(f"longrange_vit_rope_xeon2amx/seed{k}_rope_notable" for k in (2, 7)), "vit", "ViT"),
-        ("1 block + rotary codes", "long_range",
-         tuple(f"longrange_depth_rope_xeon2amx/dr_vit1_rope_s{k}" for k in (0, 1)), "vit", "ViT"),
-        ("1 block, attention windows of one patch (no mixing)", "long_range",
-         tuple(f"longrange_depth_3min_epyc2x512/d_vit1_nomix_s{k}" for k in (0, 1)), "vit", "ViT"),
-        ("1 stage (10-px field)", "long_range", tuple(f"longrange_depth_3min_epyc2x512/d_cnn1_s{k}" for k in (0, 1)),
-         "cnn", "CNN"),
-        ("2 stages", "long_range", tuple(f"longrange_depth_3min_epyc2x512/d_cnn2_s{k}" for k in (0, 1)), "cnn", "CNN"),
-        ("default: 3 stages", "long_range", "longrange_cnn_3epochs_epyc2x512", "cnn", "CNN"),
-        ("the same, 4 seeds at once", "long_range", LR_GROUP, "cnn", "CNN"),
-        ("local features, no positions", "long_range", "longrange_control_3epochs_epyc2x512", "cnn", "control"),
-    ),
-    "cifar10": (
-        ("30 min per seed, bf16 autocast, 4 seeds at once", "cifar10", BOTH_30_GROUP, "vit", "ViT"),
-        ("30 min per seed, bf16 autocast, 4 seeds at once", "cifar10", BOTH_30_GROUP, "cnn", "small CNN"),
-        ("30 min", "cifar10", "cifar10_cnn_30min_epyc2", "cnn", "small CNN"),
-        ("10 epochs", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
-        ("10 epochs", "cifar10", ("cifar10_vit_10epochs_xeon2amx", "cifar10_vit_10epochs_seed1_xeon2amx"), "vit",
-         "ViT, earlier default"),
-        ("10 epochs", "cifar10", VIT_10, "vit", "ViT"),
-        ("10 epochs", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
-        ("10 epochs, bf16 autocast", "cifar10", "cifar10_vit_bf16_10epochs_epyc2bf16", "vit", "ViT"),
-        ("10 epochs, bf16 autocast, 4 seeds at once", "cifar10", VIT_10_GROUP, "vit", "ViT"),
-        ("10 epochs, bf16 autocast, 4 seeds at once", "cifar10", CNN_10_GROUP, "cnn", "small CNN"),
-        ("10 epochs, widths 64/256/256", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
-         "small CNN"),
-    ),
-    # issue 42's questions, one table each, all at ten epochs
-    "vit_readout": (
-        ("class token, learned table (earlier default)", "cifar10", CLS_10, "vit", "ViT"),
-        ("class token, sin-cos table", "cifar10", "cifar10_vit_clstoken_sincos_10epochs_h200shared", "vit", "ViT"),
-        ("mean of patches, learned table", "cifar10", "cifar10_vit_learnedpos_10epochs_h200shared", "vit", "ViT"),
-        ("mean of patches, sin-cos table (default)", "cifar10", VIT_10, "vit", "ViT"),
-        ("the same on the CPU", "cifar10", "cifar10_vit_10epochs_epyc2avx2", "vit", "ViT"),
-        ("the same, depth 9, width 192, 12 heads, MLP x2", "cifar10", L_10, "vit", "ViT"),
-    ),
-    "vit_distillation": (
-        ("no teacher (default)", "cifar10", VIT_10, "vit", "ViT"),
-        ("distilled, token", "cifar10", DISTILLED_10, "vit", "ViT"),
-        ("teacher of the row above", "cifar10", TEACHER_10, "cnn", "small CNN"),
-        ("class token, no teacher", "cifar10", CLS_10, "vit", "ViT"),
-        ("class token, distilled, token", "cifar10", ("cifar10_vit_clstoken_distilled_10epochs_h200shared",
-                                                       "cifar10_vit_clstoken_distilled_10epochs_seed1_h200shared"),
-         "vit", "ViT"),
-        ("teacher of the row above", "cifar10", WIDE_10[0], "cnn", "small CNN"),
-        ("depth 9, width 192, no teacher", "cifar10", L_10, "vit", "ViT"),
-        ("depth 9, width 192, distilled", "cifar10", "cifar10_vit_depth9w192_distilled_10epochs_h200shared", "vit",
-         "ViT"),
-    ),
-    "vit_spt_lsa": (
-        ("default", "cifar10", VIT_10, "vit", "ViT"),
-        ("+ SPT + LSA", "cifar10", SPT_LSA_10, "vit", "ViT"),
-        ("class token", "cifar10", CLS_10, "vit", "ViT"),
-        ("class token + SPT + LSA", "cifar10", ("cifar10_vit_clstoken_spt_lsa_10epochs_h200shared",
-                                                "cifar10_vit_clstoken_spt_lsa_10epochs_seed1_h200shared"), "vit",
-         "ViT"),
-        ("depth 9, width 192", "cifar10", L_10, "vit", "ViT"),
-        ("depth 9, width 192 + SPT + LSA", "cifar10", "cifar10_vit_depth9w192_spt_lsa_10epochs_h200shared", "vit",
-         "ViT"),
-        ("class token, distilled + SPT + LSA", "cifar10",
-         "cifar10_vit_clstoken_distilled_spt_lsa_10epochs_h200shared", "vit", "ViT"),
-    ),
-    "cnn_ten_epochs": (
-        ("default", "cifar10", "cifar10_cnn_10epochs_epyc2", "cnn", "small CNN"),
-        ("default", "cifar10", ("cifar10_cnn_10epochs_h200shared", "cifar10_cnn_10epochs_seed1_h200shared"), "cnn",
-         "small CNN"),
-        ("widths 64/256/256 (airbench94's)", "cifar10", "cifar10_cnn_widths64-256-256_10epochs_xeon2amx", "cnn",
-         "small CNN"),
-        ("widths 64/256/256 (airbench94's)", "cifar10", (*WIDE_10, TEACHER_10), "cnn", "small CNN"),
-        ("widths 64/256/256, mirror padding", "cifar10", "cifar10_cnn_widths64-256-256_reflect_10epochs_h200shared",
-         "cnn", "small CNN"),
-        ("widths 64/256/256, EMA 0.99", "cifar10", "cifar10_cnn_widths64-256-256_ema_10epochs_h200shared", "cnn",
-         "small CNN"),
-    ),
-}
 
 
-# The curves of docs/img, drawn from results/epochs.csv: name -> (title, ((label, run, model), ...)).
-FIGURES: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {}
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    """``results/catalog.toml`` read: the machines by tag, README's rows and each table's rows,
+    every row's runs as a tuple of names (a set's name resolved)."""
+
+    machines: dict[str, tuple[str, str]]  # tag -> (hardware, short name)
+    readme: tuple[tuple[str, str, dict[str, tuple[str, ...]]], ...]  # (task, study, {family or 'control': runs})
+    tables: dict[str, tuple[tuple[str, str, tuple[str, ...], str, str], ...]]  # (what, study, runs, family, model)
+
+    @property
+    def short(self) -> dict[str, str]:
+        return dict(self.machines.values())
 
 
-def machine(name: str) -> str:
-    tag = next((t for t in sorted(MACHINES, key=len, reverse=True) if f"_{t}" in name), None)
-    return MACHINES.get(tag, "unknown")
+@functools.lru_cache(maxsize=4)
+def load_catalog(path: Path = CATALOG) -> Catalog:
+    """Read and check the catalog: every row has its fields, every ``@set`` is defined."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    raw = tomllib.loads(path.read_text())
+    sets = {k: tuple(v) for k, v in raw.get("sets", {}).items()}
+
+    def runs(value, where: str) -> tuple[str, ...]:
+        if isinstance(value, str) and value.startswith("@"):
+            if value[1:] not in sets:
+                raise SystemExit(f"{path.name}: {where} names the set {value}, which [sets] does not define")
+            return sets[value[1:]]
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    def field(row: dict, key: str, where: str):
+        if key not in row:
+            raise SystemExit(f"{path.name}: {where} has no {key!r}")
+        return row[key]
+
+    readme = tuple((field(r, "task", "a [[readme]] row"), field(r, "study", "a [[readme]] row"),
+                    {k: runs(v, f"README's row {r['task']!r}") for k, v in r.items() if k in ("vit", "cnn", "control")})
+                   for r in raw.get("readme", []))
+    tables = {name: tuple((field(r, "what", name), field(r, "study", name), runs(field(r, "runs", name), name),
+                           field(r, "family", name), field(r, "model", name)) for r in rows)
+              for name, rows in raw.get("tables", {}).items()}
+    return Catalog({k: tuple(v) for k, v in raw["machines"].items()}, readme, tables)
+
+
+# -- collect -------------------------------------------------------------------------------------
+def machine(name: str, machines: dict[str, tuple[str, str]] | None = None) -> str:
+    """The hardware a run's name says it ran on (its machine tag), or 'unknown'."""
+    machines = load_catalog().machines if machines is None else machines
+    tag = next((t for t in sorted(machines, key=len, reverse=True) if f"_{t}" in name), None)
+    return machines[tag][0] if tag else "unknown"
 
 
 # names a study driver registered for one run; their config fields are in the run's kwargs
@@ -374,7 +305,7 @@ def add_run(folder: Path, name: str, replace: bool = False) -> None:
     from vitattn.training.runfolder import write_text_atomic
 
     if machine(name) == "unknown":
-        raise Refused(f"{name}: the name must end in a machine tag, one of {', '.join(MACHINES)}")
+        raise Refused(f"{name}: the name must end in a machine tag, one of {', '.join(load_catalog().machines)}")
     summary, lines = read_run(Path(folder))
     kept = json.loads(RUNS.read_text()) if RUNS.exists() else {}
     if name in kept and not replace:
@@ -534,38 +465,6 @@ def detection_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def draw_curves(path: Path, title: str, lines: tuple[tuple[str, str, str], ...], epochs: list[dict]) -> None:
-    """Test accuracy against epochs and against training minutes: each line the mean over its
-    run's seeds, the band their min to max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (label, run, model) in enumerate(lines):
-        rows = [r for r in epochs if r["run"] == run and r["model"] == model]
-        if not rows:
-            raise SystemExit(f"figure {path.name}: results/epochs.csv has no rows of {run} {model}")
-        marks = sorted({float(r["epoch"]) for r in rows})
-        at = [[r for r in rows if float(r["epoch"]) == e] for e in marks]
-        acc = [[100 * float(r["test_acc"]) for r in a] for a in at]
-        minutes = [sum(float(r["train_seconds"]) for r in a) / len(a) / 60 for a in at]
-        mean = [sum(a) / len(a) for a in acc]
-        n = len({r["seed"] for r in rows})
-        for a_, x in ((ax[0], marks), (ax[1], minutes)):
-            a_.plot(x, mean, "o-", color=f"C{i}", ms=3, label=f"{label} ({n} seed{'s' if n > 1 else ''})")
-            a_.fill_between(x, [min(a) for a in acc], [max(a) for a in acc], color=f"C{i}", alpha=0.2)
-    ax[0].set(xlabel="epoch", ylabel="test accuracy (%)", title=title)
-    ax[1].set(xlabel="training minutes", ylabel="test accuracy (%)", title="time to accuracy")
-    for a_ in ax:
-        a_.grid(alpha=0.3)
-        a_.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-
-
 def to_csv(rows: list[dict], columns: tuple[str, ...]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, columns, lineterminator="\n")
@@ -586,7 +485,7 @@ def row_cells(rows: list[dict]) -> dict[str, str]:
             "epochs": f"{epochs[0]:g}{'' if len(epochs) == 1 else f'-{epochs[-1]:g}'}",
             "seeds": seeds_cell([r["seed"] for r in rows]), "n": str(len(rows)),
             "speed": f"{sum(per_run.values()) / len(per_run):.0f}",
-            "hardware": " / ".join(sorted({SHORT[r["hardware"]] for r in rows}))}
+            "hardware": " / ".join(sorted({load_catalog().short[r["hardware"]] for r in rows}))}
 
 
 def rows_of(name: str, study: str, runs_, family: str, studies: dict[str, list[dict]]) -> list[dict]:
@@ -597,12 +496,12 @@ def rows_of(name: str, study: str, runs_, family: str, studies: dict[str, list[d
     return rows
 
 
-def readme_table(studies: dict[str, list[dict]]) -> str:
+def readme_table(catalog: Catalog, studies: dict[str, list[dict]]) -> str:
     """README's table: the comparison the project exists for, a row per task, ViT against CNN (and
     the long-range control), mean ± std over the seeds."""
     lines = ["| task | ViT | CNN | control | global context, ViT | global context, CNN | seeds | hardware |",
              "|---|---:|---:|---:|---|---|---|---|"]
-    for task, study, runs_ in README_ROWS:
+    for task, study, runs_ in catalog.readme:
         cells = {fam: row_cells(rows_of("readme", study, r, "vit" if fam == "vit" else "cnn", studies))
                  for fam, r in runs_.items()}
         acc = [cells[f]["accuracy"] if f in cells else "" for f in ("vit", "cnn", "control")]
@@ -613,12 +512,12 @@ def readme_table(studies: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def table(name: str, studies: dict[str, list[dict]]) -> str:
-    """``TABLES[name]`` as markdown: a row per entry, its runs' seeds pooled (mean ± std); each
-    run's command is in the study's CSV."""
+def table(catalog: Catalog, name: str, studies: dict[str, list[dict]]) -> str:
+    """A table of the catalog as markdown: a row per entry, its runs' seeds pooled (mean ± std);
+    each run's command is in the study's CSV."""
     lines = ["| what | model | epochs | test accuracy | seeds | img/s | hardware |",
              "|---|---|---:|---:|---|---:|---|"]
-    for task, study, runs_, family, what in TABLES[name]:
+    for task, study, runs_, family, what in catalog.tables[name]:
         rows = rows_of(name, study, runs_, family, studies)
         c = row_cells(rows)
         kwargs = "" if rows[0]["model_kwargs"] in ("{}", "", None) else f" `{rows[0]['model_kwargs']}`"
@@ -627,25 +526,60 @@ def table(name: str, studies: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclasses.dataclass
+class Collected:
+    studies: dict[str, list[dict]]  # study -> every run's rows
+    speed: list[dict]
+    detection: list[dict]
+
+
+def collect() -> Collected:
+    """Step 1: every kept run's rows, the benchmarks' and the detection experiment's."""
+    return Collected(runs(), speed_rows(), detection_rows())
+
+
+def render(catalog: Catalog, c: Collected, names: list[str]) -> dict[str, str]:
+    """Step 2: the tables ``names`` (the pages' markers), markdown."""
+    def one(name: str) -> str:
+        if name == "readme":
+            return readme_table(catalog, c.studies)
+        if name == "detection":
+            return detection_table(c.detection)
+        if name.startswith("speed/"):
+            return speed_table(name.removeprefix("speed/"), c.speed)
+        if name in catalog.tables:
+            return table(catalog, name, c.studies)
+        raise SystemExit(f"a page has the marker results:{name}, which neither results/catalog.toml nor a "
+                         "benchmark file in benchmarks/results/ makes")
+
+    return {name: one(name) for name in names}
+
+
+def splice(text: str, tables: dict[str, str]) -> str:
+    """Step 3: a page with each table put between its markers (pages without them are unchanged)."""
+    for name, body in tables.items():
+        begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + begin + body + end + rest.split(end, 1)[1]
+    return text
+
+
 def outputs() -> dict[Path, str]:
-    studies = runs()
-    files = {OUT / f"{study}.csv": to_csv(rows, RUN_COLUMNS) for study, rows in studies.items()}
-    speed = speed_rows()
-    files[OUT / "step_speed.csv"] = to_csv(speed, SPEED_COLUMNS)
-    detection = detection_rows()
-    files[OUT / "detection.csv"] = to_csv(detection, DETECTION_COLUMNS)
-    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
-        text = page.read_text()
-        names = ["readme", *TABLES, "detection", *(f"speed/{p.name}" for p in sorted(BENCH.glob("*.json")))]
-        for name in names:
-            begin, end = f"<!-- results:{name}:begin -->\n", f"<!-- results:{name}:end -->"
-            if begin in text and end in text:
-                head, rest = text.split(begin, 1)
-                body = (detection_table(detection) if name == "detection" else
-                        speed_table(name.removeprefix("speed/"), speed) if name.startswith("speed/") else
-                        readme_table(studies) if name == "readme" else table(name, studies))
-                text = head + begin + body + end + rest.split(end, 1)[1]
-        files[page] = text
+    """Every file the build writes, with its text: the study CSVs and the pages."""
+    c = collect()
+    pages = {page: page.read_text() for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))}
+    names = list(dict.fromkeys(m for text in pages.values() for m in re.findall(r"<!-- results:(\S+):begin -->", text)))
+    catalog = load_catalog()
+    unshown = sorted(set(catalog.tables) - set(names))
+    if unshown:
+        raise SystemExit(f"results/catalog.toml describes tables no page shows: {unshown}; add their markers or "
+                         "drop them")
+    tables = render(catalog, c, names)
+    files = {OUT / f"{study}.csv": to_csv(rows, RUN_COLUMNS) for study, rows in c.studies.items()}
+    files[OUT / "step_speed.csv"] = to_csv(c.speed, SPEED_COLUMNS)
+    files[OUT / "detection.csv"] = to_csv(c.detection, DETECTION_COLUMNS)
+    files.update({page: splice(text, tables) for page, text in pages.items()})
     return files
 
 
@@ -663,13 +597,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     stale = []
-    epochs = list(csv.DictReader(open(EPOCHS)))
-    for name, (title, lines) in FIGURES.items():  # PNG bytes vary with matplotlib's version: --check wants them there
-        path = ROOT / "docs" / "img" / name
-        if not a.check:
-            draw_curves(path, title, lines, epochs)
-        elif not path.exists():
-            stale.append(path.relative_to(ROOT))
     for path, text in outputs().items():
         if not path.exists() or path.read_text() != text:
             stale.append(path.relative_to(ROOT))

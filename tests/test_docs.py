@@ -158,3 +158,9 @@ def test_what_readme_and_the_presets_say_of_sizes_and_extras_is_true():
             digits = len(said.group(2) or "")
             count = sum(p.numel() for p in vitattn.create_model(name).parameters()) / 1e6
             assert round(count, digits) == float(said.group(1)), (name, count, said.group(0))
+
+
+def test_every_image_in_docs_is_shown_somewhere():
+    pages = "".join(p.read_text() for p in [*user_pages(), ROOT / "docs" / "journal.md"])
+    unused = sorted(p.name for p in (ROOT / "docs" / "img").iterdir() if p.name not in pages)
+    assert not unused, f"docs/img holds images no page shows: {unused}"

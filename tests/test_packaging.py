@@ -63,21 +63,16 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
     assert on_use == "True"
 
 
-@pytest.mark.parametrize("old, new", [("detection", "vitdet"), ("datasets", "constants")])
-def test_names_before_0_2_warn_and_give_the_same_module(old, new):
-    import subprocess
+@pytest.mark.parametrize("old", ["detection", "datasets"])
+def test_the_names_before_0_2_are_gone_in_0_3(old):
+    """0.2's aliases (vitattn.detection, vitattn.datasets) were removed in 0.3 as announced."""
+    import importlib
 
-    # a fresh process: the warning fires at the first import only
-    code = (f"import warnings, vitattn.{new} as new\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            f"    import vitattn.{old} as old\n"
-            "print(old is new, [str(x.message) for x in w if x.category is DeprecationWarning])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    same, messages = out.stdout.split(" ", 1)
-    assert same == "True"
-    assert f"vitattn.{old} is now vitattn.{new}" in messages
+    assert vitattn.__version__ == "0.3.0"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"vitattn.{old}")
+    with pytest.raises(AttributeError):
+        getattr(vitattn, old)
 
 
 def module_imports() -> dict[str, set[str]]:

@@ -146,3 +146,18 @@ def test_add_refuses_a_run_it_cannot_take_in_one_line_and_writes_nothing(tmp_pat
         build.add_run(good, name)
     build.add_run(good, name, replace=True)
     assert sum(r["run"] == name for r in csv.DictReader(open(epochs))) == 1
+
+
+def test_the_catalog_is_data_and_a_bad_row_is_named(tmp_path, monkeypatch):
+    """results/catalog.toml holds the curated runs (build.py holds no run names), and a row that
+    names an undefined set is refused by the set's name."""
+    from results import build
+
+    code = (ROOT / "results" / "build.py").read_text()
+    assert "_h200shared" not in code and "_epyc2bf16" not in code and "xeon2amx" not in code
+    catalog = build.load_catalog()
+    assert catalog.readme and catalog.tables["cifar10"] and catalog.machines["epyc2bf16"][1] == "EPYC BF16"
+    bad = tmp_path / "catalog.toml"
+    bad.write_text((ROOT / "results" / "catalog.toml").read_text().replace('"@rope"', '"@no_such_set"', 1))
+    with pytest.raises(SystemExit, match="@no_such_set"):
+        build.load_catalog(bad)

@@ -11,8 +11,7 @@ needs them): ``vitattn.training`` (data, the training loop, checkpoints, the rep
 docstring lists its modules, detection as a training task among them), ``vitattn.context`` (how
 far layers look), ``vitattn.vitdet`` (ViTDet backbones for torchvision's detectors);
 ``vitattn.init`` (JAX's init, the whitening basis) and ``vitattn.constants`` (CIFAR-10's classes
-and statistics) load with the models. The names before 0.2, ``vitattn.detection`` and
-``vitattn.datasets``, still import, with a DeprecationWarning.
+and statistics) load with the models.
 """
 
 import importlib
@@ -27,9 +26,9 @@ from .registry import PRESETS, create_model, get_config, list_models
 from .timm_compat import from_timm, to_timm, to_timm_state_dict
 from .vit import ViT, ViTConfig
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
-_ON_USE = ("context", "training", "vitdet", "detection", "datasets")  # the last two: old names
+_ON_USE = ("context", "training", "vitdet")
 
 
 def __getattr__(name: str):

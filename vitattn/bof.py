@@ -25,7 +25,7 @@ from .helpers import check_int, feature_take_indices
 torch.fx.wrap("check_images")  # a call in a torch.fx trace: it reads shapes, which are proxies there
 
 
-@dataclass
+@dataclass(frozen=True)
 class BagOfFeaturesConfig:
     in_chans: int = 3  # image channels
     num_classes: int = 2  # classifier outputs; 0 for the head's hidden features

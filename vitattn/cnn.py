@@ -37,7 +37,7 @@ from .helpers import check_bool, check_float, check_input_dtype, check_int, feat
 from .init import whitening_basis
 
 
-@dataclass
+@dataclass(frozen=True)
 class CNNConfig:
     in_chans: int = 3  # image channels
     num_classes: int = 10  # classifier outputs; 0 for features only
@@ -64,7 +64,7 @@ class CNNConfig:
         check_float("head_scale", self.head_scale, 0.0, low_open=True)
         for name in ("bn_weight", "dirac_init"):
             check_bool(name, getattr(self, name))
-        self.widths = tuple(self.widths)
+        object.__setattr__(self, "widths", tuple(self.widths))
         check_pool(self.global_pool, self.num_classes)
         if self.stem not in ("conv", "whiten"):
             raise ValueError(f"stem must be 'conv' or 'whiten', got {self.stem!r}")

@@ -151,20 +151,24 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def count_flops(fn, *args) -> int:
+def count_flops(fn, *args, formulas: dict | None = None) -> int:
     """FLOPs of ``fn(*args)`` by torch's formulas (``torch.utils.flop_counter``; a multiply-add
-    counts 2), summed over the ops it runs. Not ``FlopCounterMode`` itself: it follows modules with
-    global hooks, and a model that sees a hook shows it every token (``ViT.forward``)."""
+    counts 2), summed over the ops it runs; ``formulas`` adds ``{op: fn(*shapes) -> flops}`` for
+    ops torch has none for. Not ``FlopCounterMode`` itself: it follows modules with global hooks,
+    and a model that sees a hook shows it every token (``ViT.forward``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    registry = {**flop_registry, **{op._overloadpacket if hasattr(op, "_overloadpacket") else op: shape_wrapper(f)
+                                    for op, f in (formulas or {}).items()}}
 
     class Count(TorchDispatchMode):
         total = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func._overloadpacket in flop_registry:
-                Count.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            if func._overloadpacket in registry:
+                Count.total += registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
             return out
 
     with Count():

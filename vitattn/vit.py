@@ -58,9 +58,10 @@ def vitdet_window_blocks(depth: int, global_every: int = 3) -> tuple[int, ...]:
     return tuple(i for i in range(depth) if (i + 1) % global_every)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ViTConfig:
-    """Everything that defines a ViT. Field names and values are timm's where timm has them."""
+    """Everything that defines a ViT. Field names and values are timm's where timm has them. A
+    value: changed by ``dataclasses.replace``, never under a model built from it."""
 
     img_size: int | tuple[int, int] = 224  # nominal input; sizes the learned position table
     patch_size: int | tuple[int, int] = 16  # patch height and width in pixels
@@ -87,6 +88,7 @@ class ViTConfig:
     attn_drop_rate: float = 0.0  # dropout on attention weights
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly to this in the last block
     score: str = "scaled_dot"  # attention score function (see vitattn.attention)
+    fused_attn: bool = True  # the fused kernel where it computes the same thing; False: the readable path (timm's name)
     window_size: int | None = None  # window attention (ViTDet) in the blocks below
     window_block_indexes: tuple[int, ...] = field(default_factory=tuple)  # blocks using windows; default ViTDet's
     weight_init: str = ""  # '' (timm's default) or 'jax' (timm's, as the JAX ViT)
@@ -108,7 +110,7 @@ class ViTConfig:
         if self.window_size is not None:
             check_int("window_size", self.window_size)
         for name in ("qkv_bias", "qk_norm", "class_token", "use_rot_pos_emb", "dynamic_img_size", "dynamic_img_pad",
-                     "shifted_patches", "distilled"):
+                     "shifted_patches", "distilled", "fused_attn"):
             check_bool(name, getattr(self, name))
         if self.fc_norm is not None:
             check_bool("fc_norm", self.fc_norm)
@@ -133,9 +135,11 @@ class ViTConfig:
                                  "the image; choose sizes that divide, or dynamic_img_pad=True to pad the image")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
-        self.window_block_indexes = tuple(self.window_block_indexes)
+        for name in ("img_size", "patch_size", "window_block_indexes"):  # lists (JSON's) held as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.window_size is not None and not self.window_block_indexes:
-            self.window_block_indexes = vitdet_window_blocks(self.depth)
+            object.__setattr__(self, "window_block_indexes", vitdet_window_blocks(self.depth))
         if self.weight_init not in WEIGHT_INITS:
             raise ValueError(f"unknown weight_init {self.weight_init!r}; expected one of {WEIGHT_INITS}")
         if self.use_rot_pos_emb and (self.embed_dim // self.num_heads) % 4:
@@ -217,7 +221,7 @@ class ViT(TimmModel, nn.Module):
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
         dpr = torch.linspace(0, c.drop_path_rate, c.depth).tolist()  # stochastic depth, linear rule
         attn = AttentionConfig(num_heads=c.num_heads, score=c.score, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm,
-                               attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate)
+                               attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate, fused=c.fused_attn)
         self.blocks = nn.ModuleList(
             Block(c.embed_dim, replace(attn, window_size=c.window_size if i in c.window_block_indexes else None),
                   mlp_ratio=c.mlp_ratio, init_values=c.init_values, drop_path=dpr[i])

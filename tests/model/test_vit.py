@@ -201,6 +201,29 @@ def test_load_weights_resamples_skips_head_and_names_bad_keys():
         dst.load_weights({k: v for k, v in src.state_dict().items() if k != "norm.weight"})
 
 
+@pytest.mark.parametrize("make", [lambda: vitattn.ViTConfig(img_size=[32, 32], patch_size=4, window_size=2,
+                                                              window_block_indexes=[0]),
+                                  lambda: vitattn.AttentionConfig(num_heads=2), lambda: vitattn.CNNConfig(widths=[8]),
+                                  lambda: vitattn.bof.BagOfFeaturesConfig()])
+def test_configs_are_values_changed_by_replace(make):
+    import dataclasses
+
+    cfg = make()
+    name = dataclasses.fields(cfg)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, name, getattr(cfg, name))
+    assert dataclasses.replace(cfg) == cfg and hash(cfg) == hash(dataclasses.replace(cfg))  # lists held as tuples
+
+
+def test_a_vitdet_backbone_gives_its_vit_a_new_config_and_leaves_the_old_one_alone():
+    from vitattn.vitdet import ViTDetBackbone
+
+    vit = vitattn.create_model("vit_quick")
+    before = vit.config
+    ViTDetBackbone(vit, 32)
+    assert vit.config.dynamic_img_size and not before.dynamic_img_size and vit.config is not before
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown pos_embed"):
         ViTConfig(pos_embed="rope")

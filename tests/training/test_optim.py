@@ -49,6 +49,28 @@ def test_weight_decay_skips_biases_norms_and_position_tables():
     assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0
 
 
+def test_the_no_decay_names_are_the_models_own_at_any_depth():
+    """param_groups asks each part of the model (timm's no_weight_decay()), so a ViT inside a
+    detector keeps its table and token out of decay, and a name the model adds is honoured."""
+    import vitattn
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(3, 4))
+            self.kernel = torch.nn.Parameter(torch.zeros(3, 4))
+
+        def no_weight_decay(self):
+            return {"table"}
+
+    outer = torch.nn.ModuleDict({"vit": vitattn.create_model("vit_quick"), "own": Own()})
+    decay, no_decay = param_groups(outer, 0.05)
+    names = {id(p): n for n, p in outer.named_parameters()}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert {"vit.pos_embed", "vit.cls_token", "own.table"} <= skipped
+    assert {"own.kernel", "vit.patch_embed.proj.weight"} <= {names[id(p)] for p in decay["params"]}
+
+
 def test_bias_lr_scale_speeds_up_only_the_parameters_without_decay():
     import vitattn
     from vitattn.training.optim import create_optimizer, set_lr

@@ -31,6 +31,7 @@ from ..vitdet import (
 from . import loop, runtime
 from .cli import check_fields, option, preset_kwargs
 from .coco import Split, coco_eval, coco_results, collate, load_split
+from .data import step_generator
 from .errors import UsageError
 from .runtime import Dist, RunOptions
 
@@ -206,7 +207,7 @@ class DetectionTask:
 
     def order(self, epoch: int) -> list[int]:
         """This rank's images of ``epoch``: a fixed permutation per ``(seed, epoch)``, cut to equal shards."""
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        g = step_generator(self.seed, epoch)  # the classification batches' scheme: one per (seed, epoch)
         order = torch.randperm(len(self.train.dataset), generator=g)[: self.shard * self.ranks.world]
         return order[self.ranks.rank::self.ranks.world].tolist()
 

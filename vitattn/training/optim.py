@@ -32,13 +32,21 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float
     ``lead``: axes before each parameter's own shape (1 for the stacked seeds of ``seeds.SeedStack``).
     """
     decay, no_decay = [], []
+    named = no_decay_names(model)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        skip = p.ndim - lead <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token"))
+        skip = p.ndim - lead <= 1 or name in named
         (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
             {"params": no_decay, "weight_decay": 0.0, "lr_scale": no_decay_lr_scale}]
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """The parameters each part of ``model`` keeps out of weight decay by timm's contract
+    (its ``no_weight_decay()``: a ViT's position table and tokens), by their full names."""
+    return {f"{prefix}.{n}" if prefix else n for prefix, m in model.named_modules()
+            if callable(getattr(m, "no_weight_decay", None)) for n in m.no_weight_decay()}
 
 
 def get_lr(progress: float, peak: float, warmup: float, decay: str, warmup_lr: float = 0.0,
