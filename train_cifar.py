@@ -5,8 +5,8 @@
     torchrun --nproc_per_node=2 train_cifar.py ...                   # DistributedDataParallel
 
 Top to bottom: ``main`` (data, models, one ``vitattn.training.loop`` run per model, report) and
-the command line. The options are ``vitattn.training.classify.Config``, the recipes each model
-family trains with are ``vitattn.training.recipes``; the run's folder, resume, Ctrl-C and torchrun
+the command line. The options are ``vitattn.tasks.classify.Config``, the recipes each model
+family trains with are ``vitattn.tasks.classify.recipes``; the run's folder, resume, Ctrl-C and torchrun
 are ``vitattn.training.session``. A run writes ``config.json``, ``metrics.jsonl``, ``summary.json``,
 ``checkpoints/``, plots and ``report.md`` to ``--out``. With ``--time-budget MINUTES`` each model
 trains for that many minutes of steps (evaluation excluded, as in airbench) on a schedule that runs
@@ -23,10 +23,11 @@ import time
 from dataclasses import asdict
 
 import vitattn
-from vitattn.training import classify, cli, data, report, runfolder, runtime, seeds, session
-from vitattn.training.classify import Config
+from vitattn.tasks import classify
+from vitattn.tasks.classify import Config, batches, report
+from vitattn.tasks.classify.recipes import DEFAULT_PRESETS, recipe_defaults
+from vitattn.training import checkpoint, cli, runtime, session, stack
 from vitattn.training.errors import CheckpointError, DataError, UsageError
-from vitattn.training.recipes import DEFAULT_PRESETS, recipe_defaults
 
 # where and how a run executes and shows, not what it trains: a resume may move them (another machine)
 UNCHECKED_ON_RESUME = ("resume", "out", "progress", "plots", "device", "data_dir", "download", "compile",
@@ -58,10 +59,10 @@ def main(config: Config) -> dict:
         for fam, model in models.items():
             teacher = None if teachers is None else [t.model for t in teachers] if len(group) > 1 else \
                 teachers[0].model
-            run = classify.build_run(fam, model, cfg, datasets if len(group) > 1 else ds, dev, s.ranks,
+            run = classify.classification_run(fam, model, cfg, datasets if len(group) > 1 else ds, dev, s.ranks,
                                      s.out / "checkpoints" / f"{fam}.pt", resumed[fam], teacher)
             loader = getattr(run.task, "tasks", [run.task])[0].loader
-            pipeline = data.pipeline_speed(loader, ds.norm) if s.ranks.main and not run.state.done else {}
+            pipeline = batches.pipeline_speed(loader, ds.norm) if s.ranks.main and not run.state.done else {}
             for line in [] if run.state.done else classify.describe_run(fam, model, cfg, run, pipeline,
                                                                          teachers[0] if teachers else None):
                 log(line)
@@ -71,10 +72,10 @@ def main(config: Config) -> dict:
             if results[fam] is None:  # stopped: Ctrl-C, SIGTERM or a NaN loss
                 del results[fam]
                 break
-            modules[fam] = seeds.members(model)
+            modules[fam] = stack.members(model)
             if s.ranks.main:  # written anew when already finished: a crash may have cut the first copy short
                 for k, m in zip(group, modules[fam]):
-                    runfolder.save_safetensors(m, s.out / classify.weights_file(fam, k if len(group) > 1 else None))
+                    checkpoint.save_safetensors(m, s.out / classify.weights_file(fam, k if len(group) > 1 else None))
         summary = {"status": s.status, "signal": s.stop.signum, "dataset": cfg.dataset, "data_source": ds.data.source,
                    "classes": list(ds.data.classes), "world_size": s.ranks.world, "models": results,
                    "config": asdict(cfg), "environment": runtime.environment(dev), "out": str(s.out)}
@@ -97,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     pre.add_argument("--dataset", default="cifar10", choices=("cifar10", "long-range"))
     chosen, _ = pre.parse_known_args(argv)
     p = cli.build_parser(Config, __doc__.split("\n\n")[0], defaults=recipe_defaults(chosen.model, chosen.dataset),
-                         epilog="Options left unset take the model family's recipe (vitattn.training.recipes.RECIPES); "
-                         "--help with --model and --dataset shows that recipe's values.")
+                         epilog="Options left unset take the model family's recipe "
+                         "(vitattn.tasks.classify.recipes.RECIPES); --help with --model and --dataset shows that "
+                         "recipe's values.")
     p.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
                    help="print the presets (matching PATTERN, e.g. 'vit_*') with their size and purpose, and exit")
     first, _ = p.parse_known_args(argv)

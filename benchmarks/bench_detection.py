@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import common
 
 VARIANTS = ("vitattn global", "vitattn window14", "timm global", "vitattn window14 +pyramid",
             "vitattn global explicit")
@@ -64,10 +65,7 @@ def build(variant: str, size: int):
     from vitattn.vitdet import ViTDetBackbone
 
     windows = {"window_size": 14} if "window14" in variant else {}  # ViTDet's layout: global in blocks 2, 5, 8, 11
-    vit = ViT(img_size=size, num_classes=0, **DIMS, **windows).eval()
-    if variant.endswith("explicit"):
-        for blk in vit.blocks:
-            blk.attn.fused = False
+    vit = ViT(img_size=size, num_classes=0, fused_attn=not variant.endswith("explicit"), **DIMS, **windows).eval()
     if variant.endswith("+pyramid"):
         bb = ViTDetBackbone(vit, 256).eval()
         return bb, bb
@@ -113,17 +111,17 @@ def time_size(size: int, repeats: int, threads: int) -> dict[str, dict]:
     torch.set_num_threads(threads)
     fns = {v: build(v, size)[1] for v in VARIANTS}
     x = torch.randn(1, 3, size, size)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with torch.inference_mode():
         ref = {v: fns[v](x) for v in VARIANTS}  # warm-up
         # windows covering less than the grid must change the result (they are really on)
         ref_diff = float((ref["vitattn global"] - ref["vitattn window14"]).abs().max())
-        for r in range(repeats):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-            for v in order:
-                t0 = time.perf_counter()
-                fns[v](x)
-                times[v].append(time.perf_counter() - t0)
+
+        def block(v: str) -> float:
+            t0 = time.perf_counter()
+            fns[v](x)
+            return time.perf_counter() - t0
+
+        times = common.interleaved({v: lambda v=v: block(v) for v in VARIANTS}, repeats)
     out = {v: {"times_s": t, "median_s": statistics.median(t)} for v, t in times.items()}
     out["vitattn global"]["max_abs_diff_to_window14"] = ref_diff
     return out
@@ -140,10 +138,6 @@ def main() -> None:
     if a._memory:
         print(json.dumps(measure_memory(a._memory[0], int(a._memory[1]), a.threads, a._memory[2])))
         return
-
-    import timm
-
-    import vitattn
 
     t_start = time.perf_counter()
     results = {}
@@ -171,15 +165,13 @@ def main() -> None:
             print(f"  {v:28s} {r['median_s']:7.3f} s  x{r['time_ratio']:.2f}   infer {r['peak_mb_infer']:8.1f} MB  "
                   f"train {r['peak_mb_train']} MB", file=sys.stderr, flush=True)
         results[str(size)] = res
-    env = {"torch": torch.__version__, "timm": timm.__version__, "vitattn": vitattn.__version__,
-           "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
-           "wall_s": time.perf_counter() - t_start}
-    report = {"dims": DIMS, "repeats": a.repeats, "env": env, "results": results}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "detection.json").write_text(json.dumps(report, indent=1))
+    env = {**common.environment(torch.device("cpu")), "threads": a.threads, "wall_s": time.perf_counter() - t_start}
+    report = {"dims": DIMS, "repeats": a.repeats, "env": env, "command": common.command("bench_detection"),
+              "results": results}
+    common.write_json(a.out / "detection.json", report)
     lines = [f"ViT-S/16 trunk to the last map, batch 1, {a.threads} threads; forward time: median of {a.repeats} "
              f"interleaved inference runs; peak memory: RSS growth of one inference forward / one training "
-             f"forward+backward in a fresh process; torch {torch.__version__}, timm {timm.__version__}; "
+             f"forward+backward in a fresh process; torch {torch.__version__}, timm {env['versions']['timm']}; "
              "ratios (x) to vitattn global.", "",
              "| size | variant | forward (s) | x | peak infer (MB) | x | peak train (MB) | x |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -15,8 +15,7 @@ and its share of a fp32 matmul peak measured in the same run, and the peak memor
     python -m benchmarks.bench_vit --compile --cases cifar_train tiny_infer
 
 Cases: (a) CIFAR training steps, (b) ImageNet-size inference, (c) long sequences,
-(d) ``train_cifar.py``'s whole step incl. data augmentation against the model-only step (built
-from ``vitattn.training``'s recipes, optimisers and data pieces, see ``case_d``). ``--ablation`` adds
+(d) ``train_cifar.py``'s whole step, the loop's own, against the model-only step (``case_d``). ``--ablation`` adds
 vitattn with one speed choice undone (the explicit attention path; the full last block instead of
 the class-token shortcut), to show what each buys.
 
@@ -26,11 +25,9 @@ References: timm ``benchmark.py`` (interleaving, FLOP counting), airbench's timi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from benchmarks import common
 
 LIBS = ("vitattn", "timm", "torchvision", "vit-pytorch")
 
@@ -129,32 +128,9 @@ def build_model(lib: str, c: Case) -> nn.Module:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# (M, K, N) of the reference products: a square one and the ViT's own token-by-width shapes.
+# (M, K, N) of the reference products: a square one and the ViT's own token-by-width shapes (the
+# square one alone ran slower than the ViT's own shapes on the 2-core EPYC, which put shares above 100%).
 PEAK_SHAPES = ((2048, 2048, 2048), (8192, 192, 768), (8192, 768, 192), (8192, 384, 1536))
-
-
-def matmul_peak(device: torch.device, dtype=torch.float32, reps: int = 5) -> float:
-    """Best GFLOP/s in ``dtype`` of several ``(M, K) @ (K, N)`` products on this device, now (the best
-    of ``reps`` each, then the best shape: the square one alone ran slower than the ViT's own
-    shapes on the 2-core EPYC, which put shares above 100%)."""
-    rates = []
-    for m, k, n in PEAK_SHAPES:
-        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(reps):
-            sync(device)
-            t = time.perf_counter()
-            a @ b
-            sync(device)
-            best = min(best, time.perf_counter() - t)
-        rates.append(2 * m * k * n / best / 1e9)
-    return max(rates)
 
 
 def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -240,11 +216,11 @@ def make_runner(lib: str, c: Case, x: torch.Tensor, y: torch.Tensor, device: tor
 
 
 def time_steps(r: Runner, iters: int, device: torch.device) -> float:
-    sync(device)
+    common.sync(device)
     t = time.perf_counter()
     for _ in range(iters):
         r.step()
-    sync(device)
+    common.sync(device)
     return (time.perf_counter() - t) / iters
 
 
@@ -259,10 +235,9 @@ def run_case(c: Case, args, device: torch.device, peak_gflops: float) -> list[di
     for r in runners:  # warm up (and compile) before any timing
         for _ in range(args.warmup):
             r.step()
-    for rep in range(args.repeats):  # interleaved: each repeat visits every library, rotating the order
-        for i in range(len(runners)):
-            r = runners[(i + rep) % len(runners)]
-            r.times.append(time_steps(r, args.iters, device))
+    times = common.interleaved({r.lib: lambda r=r: time_steps(r, args.iters, device) for r in runners}, args.repeats)
+    for r in runners:
+        r.times = times[r.lib]
     rows = []
     for r in runners:
         flops = count_flops(r.step) if not args.compile else None
@@ -288,105 +263,60 @@ def run_case(c: Case, args, device: torch.device, peak_gflops: float) -> list[di
 
 # -- case (d): train_cifar.py's whole step ---------------------------------------------------------
 def case_d(args, device: torch.device) -> list[dict]:
-    """``train_cifar.py``'s training step (batch indexing, translate + flip augmentation on uint8,
-    normalisation, forward, label-smoothed cross-entropy, backward, gradient clipping, AdamW with
-    the ViT recipe) against the model-only step on a ready float batch, interleaved, vitattn only.
+    """``train_cifar.py``'s training step, the loop's own (``loop.train_step``: batch indexing,
+    augmentation on uint8, normalisation, forward, label-smoothed cross-entropy, backward,
+    clipping, the recipe's optimiser), against the model-only step on a ready float batch (forward,
+    cross-entropy, backward, AdamW), interleaved, vitattn only, on generated long-range images (the
+    step's cost does not depend on their content)."""
+    import tempfile
 
-    Uses the pieces ``train_cifar.py`` is built from (``vitattn.training.recipes.RECIPES`` and
-    ``optim.create_optimizer``, ``vitattn.training.data``'s ``BatchLoader``, ``Augment`` and ``Normalize``); the
-    images are random uint8 (augmentation cost does not depend on content)."""
     import vitattn
-    from vitattn.training.data import Augment, BatchLoader, Normalize
-    from vitattn.training.optim import create_optimizer
-    from vitattn.training.recipes import RECIPES
+    from vitattn.tasks import classify
 
-    preset = args.pipeline_preset
-    r = RECIPES["vit"]
-    batch = args.batch or r.batch_size
-    gen = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (max(8 * batch, 2048), 3, 32, 32), dtype=torch.uint8, generator=gen)
-    labels = torch.randint(0, 10, (len(images),), generator=gen)
-    loader = BatchLoader(images, labels, batch, shuffle=True, drop_last=True,
-                         augment=Augment(translate=r.translate, flip=True, cutout=r.cutout), seed=0)
-    norm = Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)).to(device)
+    folder = Path(tempfile.mkdtemp())
+    kw = dict(batch_size=args.batch) if args.batch else {}
+    cfg = classify.Config(dataset="long-range", long_range_train=2048, long_range_test=64, model="vit",
+                          vit_preset=args.pipeline_preset, device=str(device), progress=False, tensorboard=False,
+                          compile=args.compile, out=str(folder / "run"), **kw)
+    run, batches = common.train_cifar_run(cfg, "vit", device, folder)
+    batch = run.task.batch_size
+    torch.manual_seed(0)
+    model = vitattn.create_model(args.pipeline_preset, num_classes=10).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd = torch.compile(model) if args.compile else model
+    x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
 
-    def make(full: bool) -> Runner:
-        torch.manual_seed(0)
-        model = vitattn.create_model(preset, num_classes=10).to(device).train()
-        opt = create_optimizer(model, **r.optimizer_kwargs())
-        fwd = torch.compile(model) if args.compile else model
-        x_ready = norm(images[:batch].to(device))
-        y_ready = labels[:batch].to(device)
-        state = {"it": iter(())}
+    def model_only() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(fwd(x), y).backward()
+        opt.step()
 
-        def next_batch():
-            try:
-                return next(state["it"])
-            except StopIteration:
-                state["it"] = loader.epoch(0)
-                return next(state["it"])
+    def block_full() -> float:
+        return common.timed([(run, batches)], args.iters) / args.iters
 
-        def step():
-            if full:
-                xb, yb = next_batch()
-                x, y = norm(xb.to(device)), yb.to(device)
-            else:
-                x, y = x_ready, y_ready
-            opt.zero_grad(set_to_none=True)
-            logits = fwd(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=r.label_smoothing if full else 0.0)
-            loss.backward()
-            if full and r.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip)
-            opt.step()
-            if full:
-                loss.item(), int((logits.argmax(1) == y).sum())  # the loop's per-step host syncs
-            return loss
-        return Runner("vitattn (train_cifar step)" if full else "vitattn (model only)", model, step,
-                      sum(p.numel() for p in model.parameters()))
+    def block_model() -> float:
+        common.sync(device)
+        t = time.perf_counter()
+        for _ in range(args.iters):
+            model_only()
+        common.sync(device)
+        return (time.perf_counter() - t) / args.iters
 
-    runners = [make(True), make(False)]
-    for rn in runners:
-        for _ in range(max(args.warmup, 3)):  # the loader's first epoch and the optimiser state warm up too
-            rn.step()
-    for rep in range(args.repeats):
-        for i in range(len(runners)):
-            rn = runners[(i + rep) % len(runners)]
-            rn.times.append(time_steps(rn, args.iters, device))
+    names = {"vitattn (train_cifar step)": block_full, "vitattn (model only)": block_model}
+    times = common.interleaved(names, args.repeats, warmup=max(1, args.warmup))
+    params = sum(p.numel() for p in model.parameters())
     rows = []
-    for rn in runners:
-        med = statistics.median(rn.times)
-        rows.append(dict(case=f"cifar_pipeline ({preset})", mode="train", compiled=args.compile, lib=rn.lib,
-                         params=rn.params, batch=batch, tokens=None, step_s=med, step_s_min=min(rn.times),
-                         step_s_max=max(rn.times), times=rn.times, img_per_s=batch / med, flops=None,
-                         peak_mem_bytes=None, ratio_best_peer=None, gflops_per_s=None, peak_share=None))
+    for lib, ts in times.items():
+        med = statistics.median(ts)
+        rows.append(dict(case=f"cifar_pipeline ({args.pipeline_preset})", mode="train", compiled=args.compile, lib=lib,
+                         params=params, batch=batch, tokens=None, step_s=med, step_s_min=min(ts), step_s_max=max(ts),
+                         times=ts, img_per_s=batch / med, flops=None, peak_mem_bytes=None, ratio_best_peer=None,
+                         gflops_per_s=None, peak_share=None))
     rows[0]["ratio_best_peer"] = rows[0]["img_per_s"] / rows[1]["img_per_s"]  # pipeline / model-only
     return rows
 
 
 # -- report ---------------------------------------------------------------------------------------
-def environment(device: torch.device) -> dict:
-    import importlib.metadata as md
-    cpu = "?"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        cpu = f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs"
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("torch", "timm", "torchvision", "vit-pytorch", "einops", "vitattn"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
-    env = dict(cpu=cpu, threads=torch.get_num_threads(), python=platform.python_version(),
-               platform=platform.platform(), versions=versions, device=str(device))
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
 def markdown(rows: list[dict], peak: float) -> str:
     lines = ["| case | mode | library | params | img/s | vs best peer | GFLOP/s | % of peak | peak mem (MB) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -436,10 +366,10 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown case(s) {unknown}; expected names from {sorted(CASES)} or groups {sorted(GROUPS)}")
 
-    env = environment(device)
+    env = common.environment(device)
     t0 = time.perf_counter()
     peak_dtype = torch.bfloat16 if args.amp else torch.float32  # the share is of the precision the steps run in
-    peaks = [matmul_peak(device, peak_dtype)]
+    peaks = [common.matmul_rate(device, peak_dtype, PEAK_SHAPES)]
     rows: list[dict] = []
     for name in names:
         if name == "cifar_pipeline":
@@ -450,14 +380,14 @@ def main(argv: list[str] | None = None) -> dict:
                 c = replace(c, batch=args.batch)
             rows += run_case(c, args, device, peaks[0])
         print(f"# {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    peaks.append(matmul_peak(device, peak_dtype))
+    peaks.append(common.matmul_rate(device, peak_dtype, PEAK_SHAPES))
     peak = max(peaks)
     for r in rows:  # share of the best peak seen in the run
         if r.get("gflops_per_s"):
             r["peak_share"] = r["gflops_per_s"] / peak
     table = markdown(rows, peak)
     print(table)
-    command = " ".join(["python -m benchmarks.bench_vit", *sys.argv[1:]])  # runnable from the repository root
+    command = common.command("bench_vit")
     result = dict(env=env, args=vars(args), command=command, matmul_peak_gflops=peaks,
                   wall_s=time.perf_counter() - t0, cases={n: asdict(CASES[n]) for n in names if n in CASES},
                   rows=rows)
@@ -466,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     cpu = "".join(c for c in platform.processor() or platform.machine() if c.isalnum())[:12] or "cpu"
     tag = args.tag or "_".join([*args.cases, "compiled" if args.compile else "eager", f"{args.repeats}rounds",
                                 f"{cpu}{os.cpu_count()}"])
-    (out / f"{tag}.json").write_text(json.dumps(result, indent=1))
+    common.write_json(out / f"{tag}.json", result)
     (out / f"{tag}.md").write_text(
         f"{env['cpu']}, {env['threads']} threads, torch {env['versions']['torch']}, timm {env['versions']['timm']}, "
         f"torchvision {env['versions']['torchvision']}, vit-pytorch {env['versions']['vit-pytorch']}; "

@@ -56,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"cifar10": {"vit": 0.60, "cnn": 0.75}, "long-range": {"vit": 0.60, "cnn": 0.95}}
 PRECISION_GAP = 0.02
@@ -208,8 +210,9 @@ def torchrun(args, work: Path, report: dict) -> dict:
 
 def step(args, work: Path, report: dict) -> dict:
     from vitattn import timm_compat
-    from vitattn.training import classify, loop, runtime
-    from vitattn.training.recipes import RECIPES
+    from vitattn.tasks import classify
+    from vitattn.tasks.classify.recipes import RECIPES
+    from vitattn.training import runtime
 
     dev = runtime.pick_device(args.device)
     # the CIFAR-10 ViT and its recipe whatever the data (the long-range ViT has no timm twin)
@@ -227,19 +230,10 @@ def step(args, work: Path, report: dict) -> dict:
         model = classify.build_model("vit", cfg, ds, dev)
         if lib == "timm":
             model = timm_compat.to_timm(model).to(dev)
-        runs[lib] = classify.build_run("vit", model, cfg, ds, dev, runtime.Dist(), work / lib / "vit.pt")
-    times: dict[str, list[float]] = {lib: [] for lib in runs}
+        runs[lib] = classify.classification_run("vit", model, cfg, ds, dev, runtime.Dist(), work / lib / "vit.pt")
     steps = 2 if args.quick else 20
-    for rep in range((2 if args.quick else 5) + 1):  # interleaved; the first round warms up
-        for lib in (("vitattn", "timm") if rep % 2 else ("timm", "vitattn")):
-            run = runs[lib]
-            batches = run.task.batches(rep, 0)
-            t = time.perf_counter()
-            for _ in range(steps):
-                loop.train_step(run, next(batches))
-            run.running.tolist()  # waits for the GPU
-            if rep:
-                times[lib].append((time.perf_counter() - t) / steps)
+    times = common.interleaved({lib: lambda r=r: common.timed([(r, r.task.batches(0, 0))], steps) / steps
+                                for lib, r in runs.items()}, 2 if args.quick else 5, warmup=1)
     batch = runs["vitattn"].task.batch_size
     speed = {lib: batch / statistics.median(ts) for lib, ts in times.items()}
     report["step"] = dict(batch=batch, images_per_s=speed, step_seconds=times, precision=args.dtypes[0])
@@ -250,13 +244,7 @@ def step(args, work: Path, report: dict) -> dict:
 
 def peak_tflops(device: torch.device, n: int = 8192) -> float:
     """The card's bf16 product rate: the best of a few ``n``-cube products."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    best = float("inf")
-    for _ in range(4):
-        t = time.perf_counter()
-        (a @ a).sum().item()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+    return common.matmul_rate(device, torch.bfloat16, ((n, n, n),), reps=4) / 1e3
 
 
 def seeds(args, work: Path, report: dict) -> dict:
@@ -307,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/gpu_check", help="folder for the runs (emptied first)")
     p.add_argument("--out", default="gpu_check.json")
     args = p.parse_args(argv)
-    from vitattn.training import runtime
 
     print(f"gpu_check on {args.device}: {', '.join(args.steps)}; each step PASS or FAIL against the bound in "
           "benchmarks/gpu_check.py's docstring", flush=True)
@@ -316,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work)
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        "cpu" if args.device == "auto" else args.device)
-    report = {"environment": runtime.environment(dev), "args": vars(args), "verdicts": {}}
+    report = {"environment": common.environment(dev), "args": vars(args), "command": common.command("gpu_check"),
+              "verdicts": {}}
     for name in args.steps:
         t = time.perf_counter()
         try:
@@ -327,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         v["seconds"] = time.perf_counter() - t
         report["verdicts"][name] = v
         print(f"{v['verdict']} {name}: {v['measured']} (bound: {v['bound']}; {v['seconds']:.0f} s)", flush=True)
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        common.write_json(args.out, report)
     failed = [k for k, v in report["verdicts"].items() if v["verdict"] == "FAIL"]
     print(f"gpu_check: {'FAIL ' + ', '.join(failed) if failed else 'PASS'}", flush=True)
     return 1 if failed else 0

@@ -17,10 +17,8 @@ the share of the process's CPU time spent in the kernel (page faults: ``--malloc
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,20 +26,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from vitattn.training import classify, loop, runtime
-from vitattn.training.runtime import Dist, native_bf16
-
-
-def gemm_gflops(dtype: torch.dtype, device: torch.device, shape=(8192, 512, 512), reps: int = 5) -> float:
-    m, k, n = shape
-    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        (a @ b).sum().item()
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best / 1e9
-
+from benchmarks import common
+from vitattn.tasks import classify
+from vitattn.training import loop, runtime
+from vitattn.training.run import Run
+from vitattn.training.runtime import native_bf16
 
 PHASES = ("data", "forward", "backward", "optimizer", "ema")
 
@@ -69,7 +58,7 @@ def device_profile(events, steps: int, wall_ms: float, top: int = 8) -> dict:
             "top_ms_per_step": dict(sorted(busy.items(), key=lambda kv: -kv[1])[:top])}
 
 
-def phase_profile(run: loop.Run, batches, steps: int) -> dict:
+def phase_profile(run: Run, batches, steps: int) -> dict:
     """Milliseconds per step of each phase of ``steps`` profiled steps (the rest: what no phase
     names), and the kernel's share of the process's CPU time over them; on a GPU also
     ``device_profile``'s figures."""
@@ -108,10 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(args.device)
     data = dict(data_dir=args.data_dir) if args.data_dir else dict(dataset="long-range", long_range_train=2048,
                                                                     long_range_test=64)
-    result = {"environment": runtime.environment(dev), "native_bf16": native_bf16(dev),
-              "command": " ".join(["python -m benchmarks.precision_step", *sys.argv[1:]]),
-              "malloc": args.malloc, "malloc_kept": kept,
-              "gemm_gflops": {d: gemm_gflops(getattr(torch, d), dev) for d in args.dtypes}, "models": {}}
+    result = {"environment": common.environment(dev), "native_bf16": native_bf16(dev),
+              "command": common.command("precision_step"), "malloc": args.malloc, "malloc_kept": kept,
+              "gemm_gflops": {d: common.matmul_rate(dev, getattr(torch, d), ((8192, 512, 512),)) for d in args.dtypes},
+              "models": {}}
     print(f"native bf16: {result['native_bf16']}; 8192x512 @ 512x512 GFLOP/s: "
           + ", ".join(f"{d} {g:.1f}" for d, g in result["gemm_gflops"].items()), flush=True)
     out = Path(tempfile.mkdtemp())
@@ -120,21 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
         for d in args.dtypes:
             amp = dict(amp=False) if d == "float32" else dict(amp=True, amp_dtype=d)
             cfg = classify.Config(**data, model=fam, device=args.device, out=str(out / d), progress=False, **amp)
-            ds = classify.load_dataset(cfg, dev)
-            model = classify.build_model(fam, cfg, ds, dev)
-            run = classify.build_run(fam, model, cfg, ds, dev, Dist(), out / d / f"{fam}.pt")
-            runs[d] = (run, run.task.batches(0, 0))
-        times: dict[str, list[float]] = {d: [] for d in args.dtypes}
-        for rep in range(args.repeats + 1):  # the first round warms up
-            for i in range(len(args.dtypes)):
-                d = args.dtypes[(i + rep) % len(args.dtypes)]
-                run, batches = runs[d]
-                t = time.perf_counter()
-                for _ in range(args.steps):
-                    loop.train_step(run, next(batches))
-                run.running.tolist()  # waits for a GPU
-                if rep:
-                    times[d].append((time.perf_counter() - t) / args.steps)
+            runs[d] = common.train_cifar_run(cfg, fam, dev, out / d)
+        times = common.interleaved({d: lambda r=r: common.timed([r], args.steps) / args.steps for d, r in runs.items()},
+                                   args.repeats, warmup=1)
         batch = runs[args.dtypes[0]][0].task.batch_size
         rows = {d: {"img_per_s": batch / statistics.median(ts), "step_s": ts} for d, ts in times.items()}
         for d in rows:
@@ -148,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
                       + f"; kernel share of CPU time {ph['sys_share']:.1%}", flush=True)
         result["models"][fam] = {"preset": cfg.preset(fam), "batch": batch, "precisions": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        common.write_json(args.json, result)
     return result
 
 

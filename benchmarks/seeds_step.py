@@ -17,37 +17,18 @@ the clock. ``--profile N`` then profiles N steps of each kind's first run
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import common
+from benchmarks.common import interleaved, timed, train_cifar_run, write_json
 from benchmarks.precision_step import phase_profile
-from vitattn.training import classify, loop, runtime
-from vitattn.training.runtime import Dist, native_bf16
-
-
-def build(fam: str, cfg: classify.Config, dev: torch.device, out: Path) -> tuple[loop.Run, object]:
-    """A run as train_cifar.py builds it, and its first epoch's batches."""
-    datasets = classify.load_datasets(cfg, dev)
-    model = classify.build_models(fam, cfg, datasets, dev)
-    ds = datasets if len(cfg.seed_list()) > 1 else datasets[0]
-    run = classify.build_run(fam, model, cfg, ds, dev, Dist(), out / f"{fam}.pt")
-    return run, run.task.batches(0, 0)
-
-
-def timed(runs: list, steps: int) -> float:
-    """Seconds for ``steps`` steps of each run in turn."""
-    t = time.perf_counter()
-    for run, batches in runs:
-        for _ in range(steps):
-            loop.train_step(run, next(batches))
-        run.running.tolist()  # waits for a GPU
-    return time.perf_counter() - t
+from vitattn.tasks import classify
+from vitattn.training import runtime
+from vitattn.training.runtime import native_bf16
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,8 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(args.device)
     if dev.type == "cuda":
         runtime.configure_cuda()
-    result = {"environment": runtime.environment(dev), "native_bf16": native_bf16(dev),
-              "command": " ".join(["python -m benchmarks.seeds_step", *sys.argv[1:]]), "rows": []}
+    result = {"environment": common.environment(dev), "native_bf16": native_bf16(dev),
+              "command": common.command("seeds_step"), "rows": []}
     out = Path(tempfile.mkdtemp())
     compiled = [False, True] if args.compile else [False]
     # each solo run stands for a process of its own; in one process their optimisers' steps, one
@@ -86,22 +67,19 @@ def main(argv: list[str] | None = None) -> dict:
                 kinds: dict[str, list] = {}
                 for c in compiled:
                     tag = " compiled" if c else ""
-                    solo = [build(fam, classify.Config(**base, seed=k, compile=c, out=str(out / f"s{k}")), dev,
-                                  out / f"s{k}{tag}") for k in range(n)]
+                    solo = [train_cifar_run(classify.Config(**base, seed=k, compile=c, out=str(out / f"s{k}")), fam,
+                                            dev, out / f"s{k}{tag}") for k in range(n)]
                     kinds[f"{n} after one another{tag}"] = solo
                     for mode in args.modes if n > 1 else ():
                         cfg = classify.Config(**base, seeds=f"0-{n - 1}", seed_batching=mode, compile=c,
                                               out=str(out / mode))
-                        kinds[f"{n} at once, {mode}{tag}"] = [build(fam, cfg, dev, out / f"{mode}{tag}")]
+                        kinds[f"{n} at once, {mode}{tag}"] = [train_cifar_run(cfg, fam, dev, out / f"{mode}{tag}")]
                 batch = classify.Config(**base).recipe(fam).batch_size
                 for runs in kinds.values():  # warm-up: compiles, first allocations
                     timed(runs, 2)
-                times: dict[str, list[float]] = {k: [] for k in kinds}
+                times = interleaved({k: lambda runs=runs: timed(runs, args.steps) for k, runs in kinds.items()},
+                                    args.repeats)
                 names = list(kinds)
-                for rep in range(args.repeats):
-                    for i in range(len(names)):
-                        k = names[(i + rep) % len(names)]
-                        times[k].append(timed(kinds[k], args.steps))
                 ref = statistics.median(times[names[0]])
                 for k, ts in times.items():
                     row = {"model": fam, "preset": classify.Config(**base).preset(fam), "precision": d, "seeds": n,
@@ -121,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      f"{prof['device']['launches_per_step']:.0f} launches/step")
                         print(f"  profile, ms/step: {line}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return result
 
 

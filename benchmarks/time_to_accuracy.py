@@ -3,7 +3,7 @@
 ``train_cifar.py --model both`` draws both models into its ``curves.png``; a fair speed
 comparison on a shared 2-core machine runs each model alone, which leaves two metrics files.
 This joins them into the same three panels (loss, accuracy per epoch, accuracy against
-training minutes) with ``vitattn.training.report.plot_curves``.
+training minutes) with ``vitattn.tasks.classify.report.plot_curves``.
 
     python -m benchmarks.time_to_accuracy docs/results/cifar10_cnn_*_budget30_*_metrics.jsonl \\
         docs/results/cifar10_vit_*_budget30_*_metrics.jsonl --out docs/img --name cifar10_budget30
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from vitattn.training.report import plot_curves
+from vitattn.tasks.classify.report import plot_curves
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Detect shapes on texture: a ViTDet backbone against a ResNet-18 one, same detector, same budget.
 
 The data set is drawn here, so nothing is downloaded: each 128x128 image is a textured background
-(`vitattn.training.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
+(`vitattn.tasks.classify.longrange.textured_background`: colour blobs, stripes and noise) with 2-5 filled shapes
 of 4 classes (circle, square, triangle, cross), 12-40 px, overlapping little. It is written as a
 COCO-format folder (``<work-dir>/shapes``: PNGs and ``annotations/instances_{train,val}.json``)
 and each backbone trains on it by running ``examples/train_detection.py``, the script for a
@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 from torchvision.ops import box_iou
 
-from vitattn.training import detect, runfolder
-from vitattn.training.detect import Config as RunConfig
-from vitattn.training.longrange import textured_background
+from vitattn.tasks import detect
+from vitattn.tasks.classify.longrange import textured_background
+from vitattn.tasks.detect import Config as RunConfig
+from vitattn.training.checkpoint import load_checkpoint
 from vitattn.training.runtime import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,7 +217,7 @@ def train_run(cfg: RunConfig) -> dict:
     options.write_text(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}))
     if subprocess.run([sys.executable, str(SCRIPT), "-c", str(options)], cwd=ROOT).returncode:
         raise SystemExit(f"{SCRIPT.name} -c {options} failed; its run folder is {out}")
-    resumed = runfolder.load_checkpoint(out / "checkpoints" / "detector.pt")
+    resumed = load_checkpoint(out / "checkpoints" / "detector.pt")
     model = detect.build_model(cfg, len(resumed["category_ids"]))
     model.load_state_dict(resumed["model"])
     return {**json.loads((out / "summary.json").read_text()), "model": model}

@@ -6,7 +6,7 @@
 
 ``DIR`` has COCO's layout: ``annotations/instances_<split>.json`` and ``<split>/`` images. Each
 epoch ends with COCO box AP from pycocotools on the val split, a line in ``metrics.jsonl`` and a
-checkpoint. The options, data and task are ``vitattn.training.detect``; the run (folder, resume,
+checkpoint. The options, data and task are ``vitattn.tasks.detect``; the run (folder, resume,
 Ctrl-C, torchrun) is ``vitattn.training.session`` and its loop ``train_cifar.py``'s; docs/detection.md
 says more. ``examples/detect_shapes.py`` writes its synthetic data as such a folder and runs here.
 """
@@ -18,8 +18,9 @@ import sys
 from dataclasses import asdict
 
 from vitattn.helpers import count_params
-from vitattn.training import cli, detect, loop, optim, runfolder, runtime, session
-from vitattn.training.detect import Config
+from vitattn.tasks import detect
+from vitattn.tasks.detect import Config
+from vitattn.training import cli, runfolder, runtime, session
 from vitattn.training.errors import CheckpointError, DataError, UsageError
 
 SCRIPT = "examples/train_detection.py"
@@ -36,13 +37,7 @@ def main(config: Config) -> dict:
         model = detect.build_model(cfg, len(task.category_ids)).to(dev)
         resumed = s.checkpoint("detector", model, detect.UNCHECKED_ON_RESUME)
         s.begin()
-        opt = optim.create_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-        run = loop.build_run(task, model, opt, resumed=resumed, checkpoint_path=s.out / "checkpoints" / "detector.pt",
-                         budget_s=cfg.time_budget * 60 if cfg.time_budget else None,
-                         lr_at=lambda p: optim.get_lr(p, cfg.lr, cfg.warmup, "cosine"), grad_clip=cfg.grad_clip,
-                         total_steps=cfg.epochs * task.steps_per_epoch, device=dev, ranks=s.ranks, seed=cfg.seed,
-                         amp_dtype=cfg.autocast_dtype(), ema_decay=cfg.model_ema_decay, config=asdict(cfg),
-                         extra={"category_ids": task.category_ids})
+        run = detect.detection_run(cfg, task, model, dev, s.ranks, s.out / "checkpoints" / "detector.pt", resumed)
         for line in detect.describe_run(cfg, model, task, run):
             s.log(line)
         finished = run.state.done

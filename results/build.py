@@ -131,8 +131,8 @@ def canonical(preset: str, kwargs: str) -> tuple[str, dict]:
 
 def command(config: dict, family: str) -> str:
     """The train_cifar.py command of a saved config: the options that differ from today's defaults."""
-    from vitattn.training.classify import Config
-    from vitattn.training.recipes import DEFAULT_PRESETS
+    from vitattn.tasks.classify import Config
+    from vitattn.tasks.classify.recipes import DEFAULT_PRESETS
 
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     skip = {"out", "resume", "progress", "plots", "model", "vit_preset" if family != "vit" else "",

@@ -1,4 +1,4 @@
-"""A hand-written COCO box mAP, kept only as a test oracle for ``vitattn.training.coco.coco_map``
+"""A hand-written COCO box mAP, kept only as a test oracle for ``vitattn.tasks.detect.coco.coco_map``
 (which calls pycocotools): two independent implementations that must agree.
 
 pycocotools' rules, without crowd boxes or area ranges: per image and class the ``max_dets``

@@ -49,7 +49,7 @@ class StandIn(FakeTensorMode):
         self.device_seeds: set[int] = set()  # initial seeds of the generators that live on the stand-in
 
     def device_generator(self, original):
-        """``data.step_generator`` for the stand-in: a meta generator cannot be made, so a CPU one is
+        """``runtime.step_generator`` for the stand-in: a meta generator cannot be made, so a CPU one is
         made and remembered as the device's (by its seed, which the dispatcher sees)."""
         def make(seed: int, *keys: int, device="cpu") -> torch.Generator:
             if torch.device(device) != STAND_IN:

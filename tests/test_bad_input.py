@@ -21,8 +21,8 @@ from conftest import make_images, tiny, write_batches, write_folder
 
 import train_cifar as T
 import vitattn
+from vitattn.tasks.classify.data import DataError, load_cifar
 from vitattn.training import loop, runfolder
-from vitattn.training.data import DataError, load_cifar
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -376,7 +376,7 @@ def test_images_in_another_dtype_than_the_model_are_named(name, dtype, message):
 
 
 def test_detection_and_attention_maps_want_a_vit():
-    from vitattn.training.report import attention_maps
+    from vitattn.tasks.classify.report import attention_maps
     from vitattn.vitdet import ViTDetBackbone
 
     cnn = vitattn.create_model("cnn_quick")

@@ -93,3 +93,21 @@ def test_a_gpu_profile_counts_the_cards_work_and_launches_per_step():
     assert d["device_ms_per_step"] == 3.0 and d["device_busy_share"] == 0.3  # (3 + 1 + 1 + 1) ms over 2 steps
     assert d["kernels_per_step"] == 1.5 and d["launches_per_step"] == 1.0
     assert list(d["top_ms_per_step"].items()) == [("gemm", 2.0), ("softmax", 0.5), ("Memcpy HtoD", 0.5)]
+
+
+def test_no_benchmark_patches_a_model_or_copies_the_shared_helpers():
+    """A variant is a config field or a public call (no replaced method, no edited config, no
+    private set from outside), and timing, interleaving, the environment and the training step
+    come from benchmarks/common.py."""
+    import re
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    patched = re.compile(r"\.(forward|fused)\s*=(?!=)|(?<!_dynamo)\.config\.\w+\s*=(?!=)|setattr\(model")
+    copied = re.compile(r"^def (sync|environment|matmul_peak|gemm_gflops|timed|train_cifar_run)\(", re.M)
+    for path in folder.glob("*.py"):
+        code = path.read_text()
+        assert not patched.search(code), path
+        if path.name != "common.py":
+            assert not copied.search(code), path
+            assert "json.dumps(report" not in code and "json.dumps(result" not in code, path

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def user_pages() -> list[Path]:
     return [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "results" / "README.md",
-            *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "journal.md")]
+            *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in ("journal.md", "changelog.md"))]
 
 
 PAGES = [str(p.relative_to(ROOT)) for p in user_pages() if "```python" in p.read_text() and p.name != "README.md"

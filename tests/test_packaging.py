@@ -51,8 +51,8 @@ def test_import_vitattn_loads_the_models_and_the_training_half_on_use():
     code = ("import sys, vitattn\n"
             "print(sorted(m for m in sys.modules if m.startswith('vitattn.')))\n"
             "vitattn.training, vitattn.vitdet.ViTDetBackbone\n"
-            "from vitattn.training.recipes import RECIPES\n"
-            "print('vitattn.training.recipes' in sys.modules)")
+            "from vitattn.tasks.classify.recipes import RECIPES\n"
+            "print('vitattn.tasks.classify.recipes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     loaded, on_use = out.stdout.splitlines()
@@ -123,3 +123,45 @@ def test_no_script_is_imported_as_a_library():
     assert not users, users
     with pytest.raises(AttributeError, match="has no attribute 'trian'"):
         vitattn.trian  # noqa: B018
+
+
+def all_imports(path: Path, name: str) -> set[str]:
+    """Every module of ours a file imports, at its top or inside a function."""
+    base = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            parts = base.split(".")
+            module = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            out |= {module, *(f"{module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.startswith("vitattn")}
+
+
+def test_imports_run_one_way_tasks_then_machinery_then_models():
+    """The models import neither training nor tasks; the run machinery imports no task; a task
+    imports no other task (they share vitattn.tasks.images); nothing imports a script."""
+    package = ROOT / "vitattn"
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps = all_imports(path, name)
+        layer = name.split(".")[1] if name.count(".") >= 1 else ""
+        if layer not in ("training", "tasks"):
+            assert not {d for d in deps if d.startswith(("vitattn.training", "vitattn.tasks"))}, name
+        if layer == "training":
+            assert not {d for d in deps if d.startswith("vitattn.tasks")}, name
+        if layer == "tasks" and name.count(".") >= 3:
+            task = name.split(".")[2]
+            others = {d for d in deps if d.startswith("vitattn.tasks.") and d.split(".")[2] not in (task, "images")}
+            assert not others, (name, others)
+
+
+def test_the_training_half_reads_in_modules_under_400_lines_with_one_build_run():
+    modules = [*(ROOT / "vitattn" / "training").rglob("*.py"), *(ROOT / "vitattn" / "tasks").rglob("*.py")]
+    long = {p.relative_to(ROOT).as_posix(): n for p in modules if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    builders = [p.relative_to(ROOT).as_posix() for p in (ROOT / "vitattn").rglob("*.py")
+                if re.search(r"^def build_run\(", p.read_text(), re.M)]
+    assert builders == ["vitattn/training/run.py"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vitattn
-from vitattn.training import data as D
+from vitattn.tasks.classify import data as D
 
 ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar.gz"
 

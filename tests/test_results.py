@@ -64,7 +64,7 @@ def test_every_kept_run_builds_today_with_the_parameters_it_recorded():
     import dataclasses
 
     import vitattn
-    from vitattn.training.classify import Config
+    from vitattn.tasks.classify import Config
 
     options = {f.name for f in dataclasses.fields(Config)}
     raw = ROOT / "docs" / "results"

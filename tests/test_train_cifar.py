@@ -12,7 +12,7 @@ import torch
 from conftest import metrics, tiny, write_batches, write_tar
 
 import train_cifar as T
-from vitattn.training import classify
+from vitattn.tasks import classify
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -99,8 +99,8 @@ def check_float(name: str, value: object, low: float, high: float | None = None,
 def check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
     """Images must be floating point, in the weights' dtype unless autocast casts them."""
     if not x.is_floating_point():
-        raise TypeError(f"expected floating-point images (normalised, e.g. by vitattn.training.data.Normalize), got "
-                        f"{x.dtype}")
+        raise TypeError(f"expected floating-point images (normalised, e.g. by "
+                        f"vitattn.tasks.classify.data.Normalize), got {x.dtype}")
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"expected {weight.dtype} images, the model's dtype, got {x.dtype}; cast the images "
                         f"(x.to({weight.dtype})), convert the model (model.to({x.dtype})) or run under torch.autocast")

@@ -1,4 +1,4 @@
-"""Global-context measures (vitattn.context) and the long-range task (vitattn.training.longrange)."""
+"""Global-context measures (vitattn.context) and the long-range task (vitattn.tasks.classify.longrange)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vitattn.context import (
     rollout_map,
     weighted_radius,
 )
-from vitattn.training.longrange import (
+from vitattn.tasks.classify.longrange import (
     GLYPHS,
     LONG_RANGE_CLASSES,
     MARK_COLOURS,
@@ -301,7 +301,7 @@ def test_accuracy_by_distance_bins():
 def test_pointing_task_labels_the_relation_and_one_mark_alone_says_nothing():
     """The 'pointing' label is where the plus lies relative to where the arrow points; the arrow
     alone, the plus alone and the pair of appearances hold both labels equally."""
-    from vitattn.training.longrange import ARROW_DIRECTIONS, ARROW_GLYPHS, POINTING_CLASSES
+    from vitattn.tasks.classify.longrange import ARROW_DIRECTIONS, ARROW_GLYPHS, POINTING_CLASSES
 
     s = make_long_range_specs(12000, seed=5, attribute="pointing")
     y = s["labels"].float()
@@ -342,7 +342,7 @@ def test_alignment_task_labels_the_relation_and_each_mark_is_uniform_in_both_cla
     """'alignment': one row (0) or one column (1), k px apart; each centre, with or without its
     appearance, has one distribution in both classes (per cell of 12,000 images), and the two
     marks are exchangeable."""
-    from vitattn.training.longrange import ALIGNMENT_CLASSES, ALIGNMENT_MIN_DISTANCE
+    from vitattn.tasks.classify.longrange import ALIGNMENT_CLASSES, ALIGNMENT_MIN_DISTANCE
 
     s = make_long_range_specs(12000, seed=5, attribute="alignment")
     y = s["labels"].float()
@@ -389,7 +389,7 @@ def test_alignment_task_labels_the_relation_and_each_mark_is_uniform_in_both_cla
 def test_partial_views_show_what_each_task_leaks(attribute, leaks):
     """``view_accuracy`` on held-out images: the views a task leaks reach at least the stated
     accuracy, every other view stays at chance."""
-    from vitattn.training.longrange import VIEWS, view_accuracy
+    from vitattn.tasks.classify.longrange import VIEWS, view_accuracy
 
     train = make_long_range_specs(60_000, seed=0, attribute=attribute)
     test = make_long_range_specs(6_000, seed=1, attribute=attribute)

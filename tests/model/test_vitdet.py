@@ -10,7 +10,7 @@ import torch
 from coco_oracle import average_precision, coco_map_reference
 
 from vitattn import ViT, resample_abs_pos_embed
-from vitattn.training.coco import coco_map
+from vitattn.tasks.detect.coco import coco_map
 from vitattn.vitdet import DETECTORS, ViTDetBackbone, build_detector, vitdet_window_blocks
 
 

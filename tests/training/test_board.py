@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny
 
 import train_cifar as T
-from vitattn.training import classify
+from vitattn.tasks import classify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -34,7 +34,7 @@ def test_a_run_writes_its_curves_and_end_figures_per_seed(tmp_path, folder):
 
 def test_a_resumed_run_continues_its_curves_without_a_duplicate_step(tmp_path, folder, monkeypatch):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, tensorboard=True))
-    calls, cross_entropy = {"n": 0}, classify.F.cross_entropy
+    calls, cross_entropy = {"n": 0}, classify.task.F.cross_entropy
 
     def interrupt_in_epoch_3(*args, **kw):  # 3 training steps + 1 evaluation batch per epoch
         calls["n"] += 1
@@ -42,10 +42,10 @@ def test_a_resumed_run_continues_its_curves_without_a_duplicate_step(tmp_path, f
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", interrupt_in_epoch_3)
     cfg = tiny(tmp_path / "b", folder, epochs=3, tensorboard=True)
     assert T.main(cfg)["status"] == "interrupted"
-    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", cross_entropy)
     T.main(T.Config(resume=cfg.out, progress=False))
     got, want = curves(Path(cfg.out) / "tensorboard" / "cnn"), curves(Path(ref["out"]) / "tensorboard" / "cnn")
     assert set(got) == set(want)

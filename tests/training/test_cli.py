@@ -108,7 +108,8 @@ def test_timm_cli_names_config_file_and_model_list(tmp_path, capsys):
 def test_both_scripts_declare_their_shared_options_once():
     """The options every script has live in runtime.RunOptions, re-declared by neither config;
     gradient clipping has one name in both (grad_clip, timm's --clip-grad as an alias)."""
-    from vitattn.training import cli, detect, runtime
+    from vitattn.tasks import detect
+    from vitattn.training import cli, runtime
 
     shared = {f.name for f in dataclasses.fields(runtime.RunOptions)}
     for cfg in (T.Config, detect.Config):

@@ -27,7 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import train_cifar as T
 from vitattn import registry
-from vitattn.training import classify, data, loop, report, runfolder, runtime
+from vitattn.tasks import classify
+from vitattn.tasks.classify import batches, report, setup
+from vitattn.training import checkpoint, loop, runtime
 from vitattn.training.cli import UsageError
 
 
@@ -51,19 +53,21 @@ def keep_on_host(monkeypatch) -> None:
         return original_tolist(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    monkeypatch.setattr(data, "load_cifar", on_host(data.load_cifar))
+    monkeypatch.setattr(setup, "load_cifar", on_host(setup.load_cifar))
     monkeypatch.setattr(registry, "create_model", on_host(registry.create_model))
-    monkeypatch.setattr(runfolder, "load_checkpoint", on_host(runfolder.load_checkpoint))
-    monkeypatch.setattr(classify, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
+    monkeypatch.setattr(checkpoint, "load_checkpoint", on_host(checkpoint.load_checkpoint))
+    monkeypatch.setattr(setup, "flops_per_image", lambda model, size: 0)  # counts on its own meta copy
     for name in ("save_atomic", "save_safetensors"):
-        monkeypatch.setattr(runfolder, name, lambda *a, **k: None)
+        monkeypatch.setattr(checkpoint, name, lambda *a, **k: None)
     monkeypatch.setattr(report, "write_report", lambda *a, **k: None)
 
 
 def enter_stand_in(monkeypatch) -> StandIn:
     keep_on_host(monkeypatch)
     mode = StandIn()
-    monkeypatch.setattr(data, "step_generator", mode.device_generator(data.step_generator))
+    on_device = mode.device_generator(runtime.step_generator)
+    monkeypatch.setattr(batches, "step_generator", on_device)  # the name batches imported, and the module's
+    monkeypatch.setattr(runtime, "step_generator", on_device)
     return mode
 
 
@@ -81,7 +85,7 @@ def config(tmp_path: Path, folder: Path, **kw) -> classify.Config:
 
 
 def test_the_stand_in_catches_a_batch_left_on_the_host(stand_in):
-    norm = data.Normalize().to(STAND_IN)
+    norm = classify.data.Normalize().to(STAND_IN)
     with pytest.raises(RuntimeError, match="device"):
         norm(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
 
@@ -100,7 +104,7 @@ def test_a_fresh_run_keeps_data_model_and_sums_on_the_device(tmp_path, folder, s
 def test_a_run_resumes_on_the_device_from_a_checkpoint_read_on_the_host(tmp_path, folder, monkeypatch):
     cfg = config(tmp_path, folder, model="cnn", device="cpu", epochs=3)
     calls = {"n": 0}
-    cross_entropy = classify.F.cross_entropy
+    cross_entropy = classify.task.F.cross_entropy
 
     def interrupt(*args, **kw):
         calls["n"] += 1
@@ -108,9 +112,9 @@ def test_a_run_resumes_on_the_device_from_a_checkpoint_read_on_the_host(tmp_path
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(classify.F, "cross_entropy", interrupt)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", interrupt)
     assert T.main(cfg)["status"] == "interrupted"
-    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", cross_entropy)
     saved = (Path(cfg.out) / "config.json").read_text().replace('"device": "cpu"', '"device": "meta"')
     (Path(cfg.out) / "config.json").write_text(saved)
     with enter_stand_in(monkeypatch):
@@ -151,7 +155,7 @@ def test_the_package_and_its_muon_need_no_torch_optim_muon():
 
     code = ("import torch; del torch.optim.Muon\n"
             "import vitattn\n"
-            "from vitattn.training.optim import create_optimizer; from vitattn.training.recipes import RECIPES\n"
+            "from vitattn.training.optim import create_optimizer; from vitattn.tasks.classify.recipes import RECIPES\n"
             "m = vitattn.create_model('vit_quick', num_classes=3)\n"
             "opt = create_optimizer(m, **RECIPES['vit'].optimizer_kwargs())\n"
             "m(torch.randn(2, 3, 32, 32)).sum().backward(); opt.step(); print(type(opt.optimizers[0]).__name__)")
@@ -203,8 +207,8 @@ def test_the_stand_in_counts_copies_and_reads_and_checks_generators(stand_in):
     assert stand_in.traffic.total() - before == 3 and y.device == STAND_IN
     with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
         torch.randint(0, 3, (4,), generator=torch.Generator(), device=STAND_IN)
-    data.translate_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8, device=STAND_IN), 2, True,
-                          data.step_generator(0, 1, device=STAND_IN))  # drawn on the device: accepted
+    batches.translate_flip(torch.zeros(2, 3, 8, 8, dtype=torch.uint8, device=STAND_IN), 2, True,
+                           runtime.step_generator(0, 1, device=STAND_IN))  # drawn on the device: accepted
 
 
 # -- torch.cuda, NCCL and DDP as a GPU machine checks them -------------------------------------
@@ -264,10 +268,10 @@ def test_each_rank_resumes_its_own_random_streams(monkeypatch):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for rank in (0, 1):
         torch.manual_seed(0)
-        assert runfolder.restore(ck, model, opt, scaler, torch.device("cuda", rank), rank)
+        assert checkpoint.restore(ck, model, opt, scaler, torch.device("cuda", rank), rank)
         assert torch.equal(torch.get_rng_state(), states[rank]["cpu"])
         assert torch.equal(cuda.states[rank], states[rank]["cuda"])
-    assert not runfolder.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh
+    assert not checkpoint.restore(ck, model, opt, scaler, torch.device("cpu"), 2)  # a third rank: seeded afresh
 
 
 def test_on_cuda_adamw_and_sgd_take_their_fused_kernels_and_the_cpu_keeps_foreach():
@@ -277,8 +281,8 @@ def test_on_cuda_adamw_and_sgd_take_their_fused_kernels_and_the_cpu_keeps_foreac
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from vitattn.tasks.classify.recipes import RECIPES
     from vitattn.training.optim import create_optimizer
-    from vitattn.training.recipes import RECIPES
 
     def fused(model) -> dict[str, list]:
         opts = {o: create_optimizer(model, **replace(RECIPES["vit"], optimizer=o).optimizer_kwargs())
@@ -333,4 +337,6 @@ def test_kept_freed_memory_is_not_mapped_and_zeroed_anew_at_each_request():
     buffer_pages = (64 << 20) // resource.getpagesize()
     assert kept == {"keep": "True", "system": "None"}
     assert int(faults["system"]) > 5 * buffer_pages, faults
-    assert int(faults["keep"]) <= 2 * buffer_pages, faults
+    # kept: the buffer faulted in twice at most, plus the few pages the interpreter touches besides
+    # (one more was seen once the runtime module imported hashlib); not once per request
+    assert int(faults["keep"]) <= 2 * buffer_pages + 64, faults

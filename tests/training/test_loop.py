@@ -16,8 +16,10 @@ import torch
 from conftest import metrics, scores, tiny
 
 import train_cifar as T
-from vitattn.training import classify, runtime
-from vitattn.training.runfolder import save_atomic
+from vitattn.tasks import classify
+from vitattn.training import checkpoint, runtime
+from vitattn.training.checkpoint import save_atomic
+from vitattn.training.run import TrainState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +39,7 @@ SMALL_VIT = dict(model="vit", vit_kwargs='{"depth": 2}')  # the recipe's ViT, tw
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypatch, family, kw, at):
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     calls = {"n": 0}
-    cross_entropy = classify.F.cross_entropy
+    cross_entropy = classify.task.F.cross_entropy
 
     def interrupt_in_epoch_3(*args, **kw):  # 3 training steps + 1 evaluation batch per epoch (2 with an EMA)
         calls["n"] += 1
@@ -45,13 +47,13 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, folder, monkeypa
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", interrupt_in_epoch_3)
     cfg = tiny(tmp_path / "b", folder, epochs=3, **kw)
     assert T.main(cfg)["status"] == "interrupted"
     ck = torch.load(Path(cfg.out) / "checkpoints" / f"{family}.pt", weights_only=True)
     assert (ck["state"]["epoch"], ck["state"]["step_in_epoch"]) == (2, 2)  # stops before the next step
     assert ("scaler" in ck) == (kw.get("amp_dtype") == "float16")  # fp16's loss scale resumes too
-    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", cross_entropy)
     resumed = T.main(T.Config(resume=cfg.out, progress=False))
     assert resumed["status"] == "ok"
     assert scores(metrics(cfg.out)) == scores(metrics(ref["out"]))
@@ -183,7 +185,7 @@ def test_a_compiled_run_trains_as_the_eager_run_and_resumes(tmp_path, folder, mo
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, **kw))
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **_: compile_(fn, backend="eager"))
-    calls, cross_entropy = {"n": 0}, classify.F.cross_entropy
+    calls, cross_entropy = {"n": 0}, classify.task.F.cross_entropy
 
     def interrupt_in_epoch_3(*args, **kw):
         calls["n"] += 1
@@ -191,10 +193,10 @@ def test_a_compiled_run_trains_as_the_eager_run_and_resumes(tmp_path, folder, mo
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", interrupt_in_epoch_3)
     cfg = tiny(tmp_path / "b", folder, epochs=3, compile=True, **kw)
     assert T.main(cfg)["status"] == "interrupted"
-    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", cross_entropy)
     ck = torch.load(Path(cfg.out) / "checkpoints" / f"{kw.get('model', 'cnn')}.pt", weights_only=True)
     assert ck["state"]["step_in_epoch"] == 2 and ck["config"]["compile"]
     groups = ck["optimizer"].get("chain", [ck["optimizer"]])[0]["param_groups"]
@@ -279,12 +281,13 @@ def kill_on_call(monkeypatch, owner, name: str, nth: int, partial_write: bool = 
 
 
 def _phases():
-    from vitattn.training import report, runfolder
+    from vitattn.tasks.classify import report
+    from vitattn.training import checkpoint
 
-    return {"before the first checkpoint": (classify.F, "cross_entropy", 3, False),
-            "inside a checkpoint write": (runfolder.torch, "save", 2, True),
-            "in an evaluation": (classify, "evaluate", 2, False),
-            "after the last checkpoint, in the final evaluation": (classify, "evaluate", 4, False),
+    return {"before the first checkpoint": (classify.task.F, "cross_entropy", 3, False),
+            "inside a checkpoint write": (checkpoint.torch, "save", 2, True),
+            "in an evaluation": (classify.task, "evaluate", 2, False),
+            "after the last checkpoint, in the final evaluation": (classify.task, "evaluate", 4, False),
             "in the report and plots": (report, "write_plots", 1, False)}
 
 
@@ -338,7 +341,7 @@ def test_a_kill_at_any_phase_then_resume_ends_as_an_uninterrupted_run(tmp_path, 
 def test_a_finished_run_with_an_ema_resumed_through_loop_fit_keeps_its_weights(tmp_path, folder):
     """loop.fit on a finished run's checkpoint (no script's early return in between) evaluates the
     kept weights again and leaves them as they were: the EMA's, not its first copy."""
-    from vitattn.training import loop, runfolder
+    from vitattn.training import loop
 
     cfg = tiny(tmp_path, folder, epochs=2, model_ema_decay=0.5)
     done = T.main(cfg)
@@ -346,8 +349,8 @@ def test_a_finished_run_with_an_ema_resumed_through_loop_fit_keeps_its_weights(t
     cpu = torch.device("cpu")
     ds = classify.load_dataset(cfg)
     model = classify.build_model("cnn", cfg, ds, cpu)
-    resumed = runfolder.resume_checkpoint(path, model, "cnn", loop.TrainState)
-    run = classify.build_run("cnn", model, cfg, ds, cpu, runtime.Dist(), path, resumed)
+    resumed = checkpoint.resume_checkpoint(path, model, "cnn", TrainState)
+    run = classify.classification_run("cnn", model, cfg, ds, cpu, runtime.Dist(), path, resumed)
     with runtime.StopFlag() as stop:
         result = loop.fit(run, Path(cfg.out) / "metrics.jsonl", stop, lambda *a: None)
     for k, v in done["modules"]["cnn"].state_dict().items():

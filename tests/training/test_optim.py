@@ -10,8 +10,9 @@ import torch
 from conftest import needs_cxx
 
 import train_cifar as T
+from vitattn.tasks.classify.recipes import RECIPES
+from vitattn.training import stack as seedstack
 from vitattn.training.optim import get_lr, param_groups
-from vitattn.training.recipes import RECIPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,7 +230,6 @@ def _update_case(kind: str):
     """A model (one, or a stack of two seeds), the module its optimiser steps, the lead axes, the
     optimiser's arguments and a batch."""
     import vitattn
-    from vitattn.training import seeds
 
     cnn, size = kind.startswith("cnn"), 32 if kind.startswith("cnn") else 16
 
@@ -243,7 +243,7 @@ def _update_case(kind: str):
     if "stack" not in kind:
         model = build(0)
         return model, model, 0, kw, torch.randn(8, 3, size, size)
-    stack = seeds.SeedStack([build(0), build(1)], (0, 1))
+    stack = seedstack.SeedStack([build(0), build(1)], (0, 1))
     return stack, stack.module, 1, kw, torch.randn(2, 8, 3, size, size)
 
 

@@ -13,7 +13,9 @@ from conftest import metrics, run_train_cifar, scores, tiny
 
 import train_cifar as T
 import vitattn
-from vitattn.training import classify, optim, seeds
+from vitattn.tasks import classify
+from vitattn.training import optim, seeds
+from vitattn.training import stack as seedstack
 from vitattn.training.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,11 +83,11 @@ def _models(name: str, n: int) -> list[torch.nn.Module]:
     return out
 
 
-@pytest.mark.parametrize("mode", seeds.MODES)
+@pytest.mark.parametrize("mode", seedstack.MODES)
 @pytest.mark.parametrize("name", ["vit_quick", "vit_longrange", "cnn_quick"])
 def test_a_stack_computes_what_each_model_computes_forward_and_backward(name, mode):
     models = _models(name, 3)
-    stack = seeds.SeedStack(models, (0, 1, 2), mode)
+    stack = seedstack.SeedStack(models, (0, 1, 2), mode)
     x = torch.randn(3, 4, 3, 32, 32)
     out = stack(x)
     ref = [m(xi) for m, xi in zip(models, x)]
@@ -108,11 +110,11 @@ def test_a_stack_computes_what_each_model_computes_forward_and_backward(name, mo
 
 def test_a_stack_keeps_each_models_memory_layout_and_refuses_unlike_models():
     models = [m.to(memory_format=torch.channels_last) for m in _models("cnn_quick", 2)]
-    stack = seeds.SeedStack(models, (0, 1))
+    stack = seedstack.SeedStack(models, (0, 1))
     w = dict(stack.module.named_parameters())["stages.0.0.0.weight"]
     assert w[1].is_contiguous(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="same parameters"):
-        seeds.SeedStack([models[0], _models("vit_quick", 1)[0]], (0, 1))
+        seedstack.SeedStack([models[0], _models("vit_quick", 1)[0]], (0, 1))
     with pytest.raises(ValueError, match="inputs of 2 seeds"):
         stack(torch.randn(3, 1, 3, 32, 32))
 
@@ -120,7 +122,7 @@ def test_a_stack_keeps_each_models_memory_layout_and_refuses_unlike_models():
 @pytest.mark.parametrize("opt", optim.OPTIMIZERS)
 def test_one_optimiser_over_the_stack_steps_each_seed_as_its_own_would(opt):
     models = _models("vit_quick", 2)
-    stack = seeds.SeedStack(models, (0, 1))
+    stack = seedstack.SeedStack(models, (0, 1))
     kw = dict(opt=opt, lr=1e-3, weight_decay=0.05, momentum=0.9)
     joint = optim.create_optimizer(stack.module, **kw, lead=1)
     own = [optim.create_optimizer(m, **kw) for m in models]
@@ -128,7 +130,7 @@ def test_one_optimiser_over_the_stack_steps_each_seed_as_its_own_would(opt):
     for _ in range(2):
         joint.zero_grad()
         torch.stack([F.cross_entropy(o, y) for o in stack(x)]).sum().backward()
-        seeds.clip_grad_norm_(stack.parameters(), 0.5, lead=1)
+        optim.clip_grad_norm_(stack.parameters(), 0.5, lead=1)
         joint.step()
         for m, o, xi in zip(models, own, x):
             o.zero_grad()
@@ -223,7 +225,7 @@ def test_an_interrupted_group_resumes_as_one_and_ends_as_if_never_stopped(tmp_pa
     seed's random stream (its dropout) restored from the checkpoint."""
     ref = T.main(tiny(tmp_path / "a", folder, epochs=3, seeds="0,1", **kw))
     calls = {"n": 0}
-    cross_entropy = classify.F.cross_entropy
+    cross_entropy = classify.task.F.cross_entropy
 
     def interrupt_in_epoch_3(*args, **kw):  # per epoch: 3 steps of 2 seeds, then 1 evaluation batch per seed
         calls["n"] += 1
@@ -231,12 +233,12 @@ def test_an_interrupted_group_resumes_as_one_and_ends_as_if_never_stopped(tmp_pa
             signal.raise_signal(signal.SIGINT)
         return cross_entropy(*args, **kw)
 
-    monkeypatch.setattr(classify.F, "cross_entropy", interrupt_in_epoch_3)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", interrupt_in_epoch_3)
     cfg = tiny(tmp_path / "b", folder, epochs=3, seeds="0,1", **kw)
     assert T.main(cfg)["status"] == "interrupted"
     ck = torch.load(Path(cfg.out) / "checkpoints" / "cnn.pt", weights_only=True)
     assert (ck["state"]["epoch"], ck["state"]["step_in_epoch"]) == (2, 2) and len(ck["state"]["loss_sum"]) == 2
-    monkeypatch.setattr(classify.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(classify.task.F, "cross_entropy", cross_entropy)
     resumed = T.main(T.Config(resume=cfg.out, progress=False))
     assert scores(metrics(cfg.out)) == scores(metrics(ref["out"]))
     for a, b in zip(ref["modules"]["cnn"], resumed["modules"]["cnn"]):
@@ -245,7 +247,7 @@ def test_an_interrupted_group_resumes_as_one_and_ends_as_if_never_stopped(tmp_pa
 
 
 def test_a_group_too_large_for_memory_is_refused_before_anything_is_written(tmp_path, folder, capsys, monkeypatch):
-    monkeypatch.setattr(seeds, "free_bytes", lambda device: 50 * 2**20)
+    monkeypatch.setattr(seedstack, "free_bytes", lambda device: 50 * 2**20)
     built = []
     create_model = vitattn.create_model
     monkeypatch.setattr(vitattn.registry, "create_model", lambda *a, **k: built.append(a) or create_model(*a, **k))

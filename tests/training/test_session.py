@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from vitattn.tasks.classify import Config
 from vitattn.training import loop, session
-from vitattn.training.classify import Config
 from vitattn.training.errors import Interrupted, NonFiniteLoss, UsageError
 
 
@@ -20,7 +20,7 @@ def config(tmp_path, **over) -> Config:
 
 
 def fake_run(done: bool = False):
-    """What ``Session.fit`` reads of a ``loop.Run`` before handing it to ``loop.fit``."""
+    """What ``Session.fit`` reads of a ``run.Run`` before handing it to ``loop.fit``."""
     state = SimpleNamespace(done=done, epoch=2, step_in_epoch=3, train_seconds=12.0, global_step=7, eval_at=0.0)
     return SimpleNamespace(task=SimpleNamespace(family="vit"), state=state, total_steps=10, budget_s=None,
                            seeds=(0,), board=None)

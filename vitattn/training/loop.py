@@ -6,7 +6,7 @@ model is evaluated; the loop does the rest the same way for all of them.
     task.evaluate(model)             -> the metrics of an epoch's end   {"test_loss": .., "test_acc": ..}
     task.final(model)                -> the metrics of the end of the run, with the kept weights
 
-A task may train several seeds at once (``classify.GroupTask`` over a ``seeds.SeedStack``): its
+A task may train several seeds at once (``tasks.classify.task.GroupTask`` over a ``stack.SeedStack``): its
 loss is then one per seed, ``task.tasks[s]`` evaluates seed ``s``'s model, and every figure the loop
 keeps, logs and returns is kept per seed; one optimiser steps them all, on one clock.
 
@@ -24,158 +24,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.profiler import record_function
 
 from ..helpers import count_params
-from ..weights import describe
-from . import optim, runfolder, runtime, seeds
+from . import optim, runfolder, runtime, seeds, stack
 from .errors import Interrupted, NonFiniteLoss
-
-PER_SEED = ("loss_sum", "correct_sum", "best")  # TrainState's figures kept per seed
+from .run import Run
 
 # Steps between reads of the running loss: each read waits for a GPU to drain its queue, and a
 # torchrun's ranks agree on the clock, Ctrl-C and a NaN there, so they stop at the same step.
 READ_EVERY = 50
-
-
-class Task(Protocol):
-    """What the loop trains: classification (``classify.ClassifyTask``), detection
-    (``vitattn.training.detect.DetectionTask``)."""
-
-    family: str  # the checkpoint's name for the model: 'vit', 'cnn', 'detector'
-    score: str  # the key of ``evaluate``'s metrics that the best-so-far tracks
-    steps_per_epoch: int
-    batch_size: int  # images per step on this rank
-    data_on_clock: bool  # making a batch counts as training time (in-memory tensors) or not (files read)
-    counts_hits: bool  # ``loss`` counts correct predictions (an accuracy to log) or returns zero
-
-    def batches(self, epoch: int, start_step: int) -> Iterator[Any]: ...
-
-    def loss(self, net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]: ...
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
-
-    def final(self, model: nn.Module) -> dict[str, Any]: ...
-
-    def log_line(self, metrics: dict[str, float]) -> str: ...
-
-
-@dataclass
-class TrainState:
-    """Where a run is; everything in it loads with ``torch.load(weights_only=True)``."""
-
-    epoch: int = 0  # current epoch (0-based)
-    step_in_epoch: int = 0  # batches of this epoch already taken
-    global_step: int = 0
-    train_seconds: float = 0.0  # time in training steps, summed over sessions
-    images_seen: int = 0  # on this rank
-    data_seconds: float = 0.0  # time making batches
-    compile_seconds: float = 0.0  # compiling: each session's first step, kept off the clock and the budget
-    loss_sum: list[float] = field(default_factory=lambda: [0.0])  # per seed, over this epoch's steps so far
-    correct_sum: list[int] = field(default_factory=lambda: [0])  # per seed
-    count: int = 0  # images per seed this epoch
-    best: list[float] = field(default_factory=lambda: [0.0])  # per seed, the best ``task.score`` at an epoch's end
-    eval_at: float = 0.0  # the epoch mark of an evaluation due (checkpointed before it), else 0
-    done: bool = False
-
-
-@dataclass(kw_only=True)
-class Run:
-    """One model's training: what the loop reads and updates."""
-
-    task: Task
-    model: nn.Module
-    net: nn.Module  # the model as stepped: wrapped in DDP and / or compiled
-    opt: torch.optim.Optimizer | optim.OptimizerChain
-    lr_at: Callable[[float], float]  # the learning rate at a progress in [0, 1]
-    grad_clip: float
-    total_steps: int | None
-    budget_s: float | None  # seconds of training steps
-    checkpoint_path: Path
-    device: torch.device
-    ranks: runtime.Dist
-    scaler: torch.amp.GradScaler  # fp16's loss scaling; a pass-through otherwise
-    precision: str
-    ema: optim.ModelEma | None = None  # the averaged weights the run keeps, if any
-    update: optim.Update | None = None  # --compile: clip, optimiser and EMA as one compiled function
-    amp_dtype: torch.dtype | None = None  # the forward passes' autocast precision; None: fp32
-    compiling: bool = False  # the next step compiles the model (first step of a session)
-    config: dict | None = None  # the run's options, saved with each checkpoint
-    extra: dict = field(default_factory=dict)  # more entries of each checkpoint (a detector's category ids)
-    seeds: tuple[int, ...] = (0,)  # the seeds it trains (several: a SeedStack, one copy each)
-    board: Any = None  # where its curves go (``board.Board``), if anywhere
-    state: TrainState = field(default_factory=TrainState)
-    running: torch.Tensor | None = None  # (loss sum, hits) per seed since the loop last read them, on the device
-    started: float = field(default_factory=time.perf_counter)  # for the result's wall_seconds
-
-    def progress(self) -> float:
-        return optim.run_progress(self.state.global_step, self.total_steps, self.state.train_seconds, self.budget_s)
-
-    def images_per_s(self) -> float:
-        """Images per second of training, all seeds together."""
-        return self.state.images_seen * self.ranks.world * len(self.seeds) / max(self.state.train_seconds, 1e-9)
-
-    def per_seed(self) -> list[tuple[int, int, Task]]:
-        """``(index, seed, task)`` for each seed the run trains; a group's task has one task per seed."""
-        return [(i, s, t) for i, (s, t) in enumerate(zip(self.seeds, getattr(self.task, "tasks", [self.task])))]
-
-    def save(self, rng: list[dict], result: dict | None = None) -> None:
-        """Write the checkpoint (rank 0), with every rank's random states (``runtime.all_rng_states``)."""
-        extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}
-        if not isinstance(self.model, seeds.SeedStack):  # a stack's seeds are in their own files
-            extra["model_info"] = describe(self.model)
-        if self.scaler.is_enabled():
-            extra["scaler"] = self.scaler.state_dict()
-        runfolder.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                "state": asdict(self.state), "rng": rng, "family": self.task.family,
-                                "config": self.config, "result": result or {}, **self.extra, **extra},
-                               self.checkpoint_path)
-
-
-def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, resumed: dict | None,
-          checkpoint_path: Path, lr_at: Callable[[float], float], grad_clip: float, total_steps: int | None,
-          budget_s: float | None, device: torch.device, ranks: runtime.Dist, seed: int,
-          amp_dtype: torch.dtype | None = None, ema_decay: float = 0.0, compile: bool = False,
-          config: dict | None = None, extra: dict | None = None, group: tuple[int, ...] | None = None) -> Run:
-    """A run of ``task`` on ``model`` with ``opt``, from its checkpoint ``resumed`` (read and checked by
-    ``runfolder.resume_checkpoint``) when resuming. With ``amp_dtype`` the loop runs the task's
-    forward passes (its loss, its evaluations) under autocast in it, and fp16 gets a gradient scaler:
-    precision is the loop's alone (a detector's fp32 heads are a module of its own,
-    ``vitattn.vitdet.Float32``). ``group``: the seeds of a ``seeds.SeedStack`` ``model`` (default:
-    ``(seed,)``); a group's random streams start from its first."""
-    group = group or (seed,)
-    ema = optim.ModelEma(model, ema_decay) if ema_decay > 0 else None
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    state = TrainState(loss_sum=[0.0] * len(group), correct_sum=[0] * len(group), best=[0.0] * len(group))
-    restored = False
-    if resumed is not None:
-        restored = runfolder.restore(resumed, model, opt, scaler, device, ranks.rank)
-        state = TrainState(**{k: [v] if k in PER_SEED and not isinstance(v, list) else v  # a solo run of 0.2
-                              for k, v in resumed["state"].items()})
-        if ema is not None:  # a finished run's too: finish() would otherwise put the EMA's first copy in the model
-            ema.load_state_dict(resumed["ema"])
-    if not restored:  # each rank's own dropout / drop-path stream; in a group, each seed's own too
-        if isinstance(model, seeds.SeedStack):
-            model.start_streams([runtime.stream_seed(k, ranks.rank) for k in group], device)
-        torch.manual_seed(runtime.stream_seed(group[0], ranks.rank))
-    # fp16's scaler decides on the host whether to step: its update stays eager
-    update = optim.Update(opt, model, ema, grad_clip, seeds.lead_dims(model)) \
-        if compile and not scaler.is_enabled() else None
-    return Run(task=task, model=model, net=runtime.wrap_model(model, ranks, device, compile), opt=opt, lr_at=lr_at,
-               grad_clip=grad_clip, total_steps=total_steps, budget_s=budget_s, checkpoint_path=checkpoint_path,
-               device=device, ranks=ranks,
-               scaler=scaler, precision=runtime.precision_name(amp_dtype, scaler.is_enabled()), ema=ema,
-               update=update, amp_dtype=amp_dtype,
-               compiling=compile, config=config, extra=extra or {}, state=state, seeds=tuple(group),
-               running=torch.zeros(2, len(group), dtype=torch.float64, device=device))
 
 
 def train_step(run: Run, batch: Any) -> int:
@@ -195,7 +58,7 @@ def train_step(run: Run, batch: Any) -> int:
     else:
         optim.set_lr(run.opt, lr)
         optim.backward_step(loss.sum(), run.opt, run.scaler, run.model.parameters(), run.grad_clip,
-                            seeds.lead_dims(run.model))
+                            stack.lead_dims(run.model))
         if run.ema is not None:
             with record_function("ema"):
                 run.ema.update_parameters(run.model)
@@ -318,8 +181,8 @@ def evaluate_epoch(run: Run, metrics: Path, log) -> None:
     """The due evaluation: a line of ``metrics`` per seed, then a checkpoint with it done (unless
     the run is done: ``finish`` saves then)."""
     state, task, ranks = run.state, run.task, run.ranks
-    models = seeds.members(run.model)
-    averaged = seeds.members(run.ema.module) if run.ema is not None else None
+    models = stack.members(run.model)
+    averaged = stack.members(run.ema.module) if run.ema is not None else None
     sums = torch.tensor([state.loss_sum, state.correct_sum, [state.count] * len(run.seeds)], dtype=torch.float64,
                         device=run.device)
     sums = runtime.all_reduce_(sums, ranks).tolist()
@@ -382,7 +245,7 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
     rows = [m for m in runfolder.read_jsonl(metrics) if m["model"] == task.family] if ranks.main else []
     if run.ema is not None:  # the run keeps the averaged weights: they are tested, saved and measured
         model.load_state_dict(run.ema.module.state_dict())
-    models, name, results = seeds.members(model), task.score.removeprefix("test_"), []  # test_acc: final_acc
+    models, name, results = stack.members(model), task.score.removeprefix("test_"), []  # test_acc: final_acc
     for i, seed, t in run.per_seed():
         own = [m for m in rows if m.get("seed", seed) == seed]
         # the last epoch's line already tested the raw weights

@@ -19,8 +19,6 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from .seeds import clip_grad_norm_
-
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
@@ -29,7 +27,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_lr_scale: float
 
     Each group carries timm's ``lr_scale``: the loop sets a group's lr to the scheduled lr times it,
     so ``no_decay_lr_scale`` speeds up the biases alone (airbench trains BatchNorm shifts 64x faster).
-    ``lead``: axes before each parameter's own shape (1 for the stacked seeds of ``seeds.SeedStack``).
+    ``lead``: axes before each parameter's own shape (1 for the stacked seeds of ``stack.SeedStack``).
     """
     decay, no_decay = [], []
     named = no_decay_names(model)
@@ -75,6 +73,24 @@ def set_lr(optimizer: torch.optim.Optimizer | OptimizerChain, lr: float) -> None
     """Set every group's lr to ``lr`` times its ``lr_scale`` (1 when absent)."""
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, lead: int = 0) -> torch.Tensor:
+    """``nn.utils.clip_grad_norm_`` for each index of the first ``lead`` axes alone (``lead=1``:
+    each seed's gradients scaled by its own norm, as its solo run scales them); ``lead=0`` is torch's.
+    Returns the norms, one per seed."""
+    params = [p for p in params if p.grad is not None]
+    if lead == 0:
+        return nn.utils.clip_grad_norm_(params, max_norm)
+    if lead != 1:
+        raise ValueError(f"lead must be 0 or 1, got {lead}")
+    norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.flatten(1), dim=1)
+                                                  for p in params]), dim=0)
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # torch's rule, per seed
+    for p in params:
+        p.grad.mul_(coef.view(-1, *[1] * (p.grad.ndim - 1)).to(p.grad.dtype))
+    return norms
 
 
 def backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer | OptimizerChain, scaler: torch.amp.GradScaler,
@@ -134,7 +150,7 @@ class Muon(torch.optim.Optimizer):
     products and many times slower than fp32 on CPUs without them (docs/training.md).
     ``ns_dtype=None`` picks bfloat16 on CUDA and fp32 elsewhere; with ``torch.bfloat16`` the steps
     equal torch's bit for bit (tests/training/test_optim.py). A weight of ``(S, m, n)`` (seeds
-    stacked, ``seeds.SeedStack``) is S matrices, each orthogonalised alone. Our own class rather than a subclass of
+    stacked, ``stack.SeedStack``) is S matrices, each orthogonalised alone. Our own class rather than a subclass of
     ``torch.optim.Muon``, so that the package imports on torch releases older than Muon (2.9).
     """
 
@@ -236,7 +252,7 @@ def create_optimizer(model: nn.Module, opt: str, lr: float, weight_decay: float,
     0.95, its update rescaled to AdamW's RMS so one lr serves both) on ``is_muon_param`` weights
     and AdamW on the rest. Biases, norms and position tables get no weight decay and
     ``bias_lr_scale`` times the lr (:func:`param_groups`). ``lead=1`` takes each parameter of
-    ``model`` as a stack of seeds (``seeds.SeedStack``'s ``module``): every rule reads the shape
+    ``model`` as a stack of seeds (``stack.SeedStack``'s ``module``): every rule reads the shape
     after the first axis."""
     if opt not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {opt!r}")

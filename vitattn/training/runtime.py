@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import platform
 import signal
@@ -147,6 +148,19 @@ def set_rng_states(states: dict, device: torch.device, model: nn.Module | None =
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
     if model is not None and "streams" in states and hasattr(model, "streams"):
         model.streams = [{k: v.cpu() for k, v in s.items()} for s in states["streams"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: a per-epoch permutation, this rank's shard, seeded per step
+# ---------------------------------------------------------------------------------------------
+def step_generator(seed: int, *keys: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` for one ``(seed, epoch, step, rank, ...)``: resumable at any step,
+    no state. Seeding a GPU's generator is a host operation: nothing waits for the GPU. CPU and
+    GPU generators draw different numbers from one seed, so a run's batches depend on its device
+    (and on nothing else)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=7).hexdigest(), 16))
+    return g
 
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ with Ctrl-C and a NaN loss turned into a status, and closes the process group at
     with session.open_session(config, "train_cifar.py") as s:
         resumed = s.checkpoint("vit", model, UNCHECKED_ON_RESUME)  # None for a new run
         s.begin()                                                 # all checked: write the folder
-        result = s.fit(loop.build_run(..., resumed=resumed), resumed)  # None when stopped: s.status says why
+        result = s.fit(run.build_run(..., resumed=resumed), resumed)  # None when stopped: s.status says why
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import board, cli, loop, runfolder, runtime
+from . import board, checkpoint, cli, loop, runfolder, runtime
 from .errors import Interrupted, NonFiniteLoss
+from .run import Run, TrainState
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class Session:
         """The checkpoint ``checkpoints/<name>.pt`` read and checked against ``model`` and the
         options (all but ``unchecked``), or ``None`` when there is none yet."""
         path = self.out / "checkpoints" / f"{name}.pt"
-        resumed = runfolder.resume_checkpoint(path, model, name, loop.TrainState)
+        resumed = checkpoint.resume_checkpoint(path, model, name, TrainState)
         if resumed is not None:
             runfolder.check_resumed_config(self.cfg, resumed.get("config"), path, unchecked)
         return resumed
@@ -55,7 +56,7 @@ class Session:
             dist.barrier()
         self.stop = self.folder.enter_context(runtime.StopFlag())
 
-    def fit(self, run: loop.Run, resumed: dict | None, info: dict | None = None) -> dict | None:
+    def fit(self, run: Run, resumed: dict | None, info: dict | None = None) -> dict | None:
         """Train ``run`` (started from its checkpoint ``resumed``, if any) to its end and return its
         result; ``None`` when Ctrl-C, SIGTERM or a NaN loss stopped it (``status`` says which; the
         checkpoint is saved or kept)."""

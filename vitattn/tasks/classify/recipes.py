@@ -12,10 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .cli import option
-from .data import PADDING_MODES
-from .errors import UsageError
-from .optim import OPTIMIZERS, get_lr
+from ...training.cli import option
+from ...training.errors import UsageError
+from ...training.optim import OPTIMIZERS, get_lr
+from .batches import PADDING_MODES
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Object detection on a COCO-format folder as a task of the training loop: the options of
 ``examples/train_detection.py``, the detector (a ViTDet pyramid on a vitattn ViT, or
 torchvision's ResNet with an FPN), and the task itself (the sum of the detector's losses; COCO box
-AP after each epoch). The folder is read, checked and scored by :mod:`vitattn.training.coco`.
+AP after each epoch), and ``detection_run``. The folder is read, checked and scored by
+:mod:`vitattn.tasks.detect.coco`.
 
 References: torchvision's ``references/detection`` (COCO loading, augmentation policies,
 evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight decay 0.1.
@@ -9,6 +10,7 @@ evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight deca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -19,21 +21,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import registry
-from ..helpers import count_params
-from ..vitdet import (
+from ... import registry
+from ...helpers import count_params
+from ...training import optim, runtime
+from ...training.cli import check_fields, option, preset_kwargs
+from ...training.errors import UsageError
+from ...training.run import Run, build_run
+from ...training.runtime import Dist, RunOptions, step_generator
+from ...vitdet import (
     DETECTORS,
     SCALE_FACTORS,
     ViTDetBackbone,
     build_detector,
     fp32_heads,
 )
-from . import loop, runtime
-from .cli import check_fields, option, preset_kwargs
 from .coco import Split, coco_eval, coco_results, collate, load_split
-from .data import step_generator
-from .errors import UsageError
-from .runtime import Dist, RunOptions
 
 RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
 
@@ -266,7 +268,21 @@ def detection_task(cfg: Config, device: torch.device, ranks: Dist) -> DetectionT
                          seed=cfg.seed, device=device, ranks=ranks, max_dets=cfg.detections_per_img)
 
 
-def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: loop.Run) -> list[str]:
+def detection_run(cfg: Config, task: DetectionTask, model: nn.Module, device: torch.device, ranks: Dist,
+                  checkpoint_path, resumed: dict | None = None) -> Run:
+    """``build_run`` for ``task`` as ``cfg`` says: AdamW without decay on biases, norms and position
+    tables, warm-up then cosine, clipping and an EMA, for ``cfg.epochs`` or ``cfg.time_budget``
+    minutes of steps; the checkpoint keeps the category ids."""
+    opt = optim.create_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return build_run(task, model, opt, resumed=resumed, checkpoint_path=checkpoint_path,
+                     budget_s=cfg.time_budget * 60 if cfg.time_budget else None,
+                     lr_at=lambda p: optim.get_lr(p, cfg.lr, cfg.warmup, "cosine"), grad_clip=cfg.grad_clip,
+                     total_steps=cfg.epochs * task.steps_per_epoch, device=device, ranks=ranks, seed=cfg.seed,
+                     amp_dtype=cfg.autocast_dtype(), ema_decay=cfg.model_ema_decay, config=dataclasses.asdict(cfg),
+                     extra={"category_ids": task.category_ids})
+
+
+def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: Run) -> list[str]:
     """The lines a run opens with: detector, backbone and size, the splits (and what in them was
     odd), the precision, and a warning when the CPU has no native bf16."""
     lines = [f"{cfg.detector} on {cfg.model}: {count_params(model) / 1e6:.1f}M parameters; {len(task.train.image_ids)} "

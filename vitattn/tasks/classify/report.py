@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..context import (
+from ...context import (
     attention_entropy,
     attention_rollout,
     effective_receptive_field,
@@ -28,9 +28,9 @@ from ..context import (
     mean_attention_distance,
     rollout_map,
 )
-from . import board
-from .runfolder import read_jsonl, write_text_atomic
-from .seeds import regroup
+from ...training import board
+from ...training.runfolder import read_jsonl, write_text_atomic
+from ...training.seeds import regroup
 
 NAMES = {"vit": "ViT", "cnn": "CNN"}
 Figure = tuple[str, str]  # (file name, caption)

@@ -1,4 +1,4 @@
-"""vitattn.training.data: the three CIFAR layouts, the decode cache, batch augmentation, sharded batches."""
+"""vitattn.tasks.classify.data: the three CIFAR layouts, the decode cache, batch augmentation, sharded batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import CLASSES, make_images, png_bytes, write_batches, write_folder, write_tar
 
-from vitattn.training import data as D
+from vitattn.tasks.classify import batches as B
+from vitattn.tasks.classify import data as D
+from vitattn.training import runtime
 
 # -- the three layouts ------------------------------------------------------------------------
 
@@ -154,7 +156,7 @@ def test_images_of_different_sizes_are_refused(tmp_path):
 def test_translate_moves_a_single_pixel_by_at_most_pad():
     x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
     x[:, :, 10, 20] = 255
-    out = D.translate_flip(x, 3, False, torch.Generator().manual_seed(0))
+    out = B.translate_flip(x, 3, False, torch.Generator().manual_seed(0))
     shifts = set()
     for img in out:
         pos = (img[0] == 255).nonzero()
@@ -167,11 +169,11 @@ def test_translate_moves_a_single_pixel_by_at_most_pad():
 
 def test_translate_fills_with_zeros_and_flip_mirrors():
     x = torch.randint(1, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    out = D.translate_flip(x, 0, True, torch.Generator().manual_seed(1))
+    out = B.translate_flip(x, 0, True, torch.Generator().manual_seed(1))
     same = [(o == i).all() for o, i in zip(out, x)]
     mirrored = [(o == i.flip(2)).all() for o, i in zip(out, x)]
     assert all(s or m for s, m in zip(same, mirrored)) and any(same) and any(mirrored)
-    shifted = D.translate_flip(x, 2, False, torch.Generator().manual_seed(2))
+    shifted = B.translate_flip(x, 2, False, torch.Generator().manual_seed(2))
     assert (shifted == 0).any()  # the padding shows as zeros somewhere
 
 
@@ -180,17 +182,17 @@ def test_reflect_padding_shifts_in_the_mirrored_border():
     so no zeros appear, and the same draws give the same shifts as zero padding."""
     x = torch.randint(1, 256, (32, 3, 8, 8), dtype=torch.uint8)
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    out = D.translate_flip(x, 2, True, gen(), "reflect")
+    out = B.translate_flip(x, 2, True, gen(), "reflect")
     assert not (out == 0).any()
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
     for o, p in zip(out, padded):
         views = [p[:, i:i + 8, j:j + 8] for i in range(5) for j in range(5)]
         assert any((o == v).all() or (o == v.flip(2)).all() for v in views)
-    zeros = D.translate_flip(x, 2, True, gen())
+    zeros = B.translate_flip(x, 2, True, gen())
     inner = zeros != 0  # where zero padding kept image pixels, both modes agree
     assert torch.equal(out[inner], zeros[inner])
     with pytest.raises(ValueError, match="padding_mode must be one of"):
-        D.translate_flip(x, 2, True, gen(), "edge")
+        B.translate_flip(x, 2, True, gen(), "edge")
 
 
 @pytest.mark.parametrize("size", [1, 4, 7, 8])
@@ -200,8 +202,8 @@ def test_cutout_covers_one_size_by_size_square_with_the_mean_colour(size):
     where it overhangs an edge)."""
     x = torch.full((64, 3, 32, 32), 7, dtype=torch.uint8)
     mean = (0.5, 0.25, 0.75)
-    fill = D.mean_colour(mean)
-    out = D.cutout(x, size, torch.Generator().manual_seed(0), fill)
+    fill = B.mean_colour(mean)
+    out = B.cutout(x, size, torch.Generator().manual_seed(0), fill)
     hole = (out != 7).any(1)  # (B, H, W)
     assert torch.equal(out.permute(0, 2, 3, 1)[hole], fill.expand(int(hole.sum()), 3))
     rows, cols = hole.any(2).sum(1), hole.any(1).sum(1)
@@ -213,10 +215,10 @@ def test_cutout_covers_one_size_by_size_square_with_the_mean_colour(size):
 
 def test_augment_is_deterministic_per_generator_seed():
     x = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
-    aug = D.Augment(translate=4, flip=True, cutout=6, fill=(0.5, 0.5, 0.5))
-    a = aug(x, D.step_generator(0, 1, 2))
-    b = aug(x, D.step_generator(0, 1, 2))
-    c = aug(x, D.step_generator(0, 1, 3))
+    aug = B.Augment(translate=4, flip=True, cutout=6, fill=(0.5, 0.5, 0.5))
+    a = aug(x, runtime.step_generator(0, 1, 2))
+    b = aug(x, runtime.step_generator(0, 1, 2))
+    c = aug(x, runtime.step_generator(0, 1, 3))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -233,7 +235,7 @@ def test_normalize_matches_the_formula():
 def test_rank_shards_are_disjoint_and_cover_the_epoch():
     x = torch.zeros(103, 3, 4, 4, dtype=torch.uint8)
     y = torch.arange(103)
-    loaders = [D.BatchLoader(x, y, 10, seed=3, rank=r, world_size=2) for r in range(2)]
+    loaders = [B.BatchLoader(x, y, 10, seed=3, rank=r, world_size=2) for r in range(2)]
     seen = [torch.cat([yb for _, yb in ld.epoch(5)]) for ld in loaders]
     assert len(loaders[0]) == len(loaders[1]) == 5  # 51 per rank, full batches only
     assert not set(seen[0].tolist()) & set(seen[1].tolist())
@@ -246,7 +248,7 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch():
 def test_an_epoch_resumed_mid_way_gives_the_same_batches():
     x = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
     y = torch.arange(64)
-    ld = D.BatchLoader(x, y, 8, augment=D.Augment(2, True, 0), seed=1)
+    ld = B.BatchLoader(x, y, 8, augment=B.Augment(2, True, 0), seed=1)
     full = list(ld.epoch(2))
     tail = list(ld.epoch(2, start_step=5))
     assert len(tail) == 3
@@ -256,10 +258,10 @@ def test_an_epoch_resumed_mid_way_gives_the_same_batches():
 
 def test_evaluation_loader_keeps_every_image():
     x = torch.zeros(23, 3, 4, 4, dtype=torch.uint8)
-    ld = D.BatchLoader(x, torch.arange(23), 5, shuffle=False, drop_last=False)
+    ld = B.BatchLoader(x, torch.arange(23), 5, shuffle=False, drop_last=False)
     assert torch.equal(torch.cat([yb for _, yb in ld.epoch(0)]), torch.arange(23))
 
 
 def test_too_small_a_shard_for_one_batch_is_refused():
     with pytest.raises(ValueError, match="less than one batch"):
-        D.BatchLoader(torch.zeros(10, 3, 4, 4, dtype=torch.uint8), torch.arange(10), 8, world_size=2)
+        B.BatchLoader(torch.zeros(10, 3, 4, 4, dtype=torch.uint8), torch.arange(10), 8, world_size=2)

@@ -1,4 +1,4 @@
-"""vitattn.training.classify: evaluation with test-time augmentation, FLOP counts, recipes, the dataset checks."""
+"""vitattn.tasks.classify: evaluation with test-time augmentation, FLOP counts, recipes, the dataset checks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import run_train_cifar, tiny, write_folder
 
 import train_cifar as T
 from vitattn.helpers import flops_per_image
-from vitattn.training import classify
-from vitattn.training.classify import evaluate
-from vitattn.training.data import DataError, Normalize
-from vitattn.training.recipes import RECIPES
+from vitattn.tasks import classify
+from vitattn.tasks.classify import evaluate
+from vitattn.tasks.classify.data import DataError, Normalize
+from vitattn.tasks.classify.recipes import RECIPES
 from vitattn.training.runtime import Dist
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,10 +16,11 @@ import torch
 pytest.importorskip("pycocotools")
 pytest.importorskip("torchvision")
 
-from vitattn.training import cli, detect  # noqa: E402  (after the skips)
-from vitattn.training.coco import check_coco, load_split  # noqa: E402
+from vitattn.tasks import detect  # noqa: E402  (after the skips)
+from vitattn.tasks.detect.coco import check_coco, load_split  # noqa: E402
+from vitattn.training import cli  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "examples" / "train_detection.py"
 TINY_VIT = json.dumps(dict(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=2))
 SMALL = ["--model", "vit_tiny_patch16_224", "--model-kwargs", TINY_VIT, "--strides", "8", "16",
@@ -279,10 +280,10 @@ def test_a_failing_evaluation_leaves_the_epoch_s_checkpoint(td, coco, tmp_path, 
 
 
 def test_both_scripts_read_images_alike_upright_by_exif_and_cmyk_as_rgb(td, coco, tmp_path):
-    """One reader (``vitattn.training.data.read_image``) for the CIFAR folders and the COCO folders."""
+    """One reader (``vitattn.tasks.classify.data.read_image``) for the CIFAR folders and the COCO folders."""
     from PIL import Image
 
-    from vitattn.training.data import _decode_image, read_image
+    from vitattn.tasks.classify.data import _decode_image, read_image
 
     tall = Image.new("RGB", (40, 64), (200, 20, 20))  # stored 40 wide, 64 high
     exif = Image.Exif()

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .data import read_image
-from .errors import UsageError, preview
+from ...training.errors import UsageError, preview
+from ..images import read_image
 
 AP_NAMES = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[0:6]
 

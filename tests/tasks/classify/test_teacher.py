@@ -14,7 +14,9 @@ from torch import nn
 
 import train_cifar as T
 import vitattn
-from vitattn.training import classify, data
+from vitattn.tasks import classify
+from vitattn.tasks.classify import batches, data
+from vitattn.training import runtime
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,8 +45,8 @@ def test_the_loss_is_half_on_the_labels_and_half_on_the_teacher_s_labels():
     x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     norm = data.Normalize((120.0,) * 3, (60.0,) * 3)
-    loader = data.BatchLoader(x, y, 6, shuffle=False, drop_last=True)
-    task = classify.ClassifyTask("vit", loader, norm, x, y, device=torch.device("cpu"), ranks=classify.Dist(),
+    loader = batches.BatchLoader(x, y, 6, shuffle=False, drop_last=True)
+    task = classify.ClassifyTask("vit", loader, norm, x, y, device=torch.device("cpu"), ranks=runtime.Dist(),
                                  label_smoothing=0.1, teacher=teacher)
     loss, hits, n = task.loss(student, (x, y))
     xn = norm(x)
