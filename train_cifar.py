@@ -97,7 +97,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     pre.add_argument("--model", default="both", choices=("vit", "cnn", "both"))
     pre.add_argument("--dataset", default="cifar10", choices=("cifar10", "long-range"))
     chosen, _ = pre.parse_known_args(argv)
-    p = cli.build_parser(Config, __doc__.split("\n\n")[0], defaults=recipe_defaults(chosen.model, chosen.dataset),
+    presets = {f"{slot}_preset": ", ".join(f"{d[slot]} on {name}" for name, d in DEFAULT_PRESETS.items())
+               for slot in ("vit", "cnn")}
+    p = cli.build_parser(Config, __doc__.split("\n\n")[0], defaults={**recipe_defaults(chosen.model, chosen.dataset),
+                                                                       **presets},
                          epilog="Options left unset take the model family's recipe "
                          "(vitattn.tasks.classify.recipes.RECIPES); --help with --model and --dataset shows that "
                          "recipe's values.")

@@ -40,13 +40,15 @@ BENCH = ROOT / "benchmarks" / "results"
 OUT = ROOT / "results"
 CATALOG = OUT / "catalog.toml"
 RUNS = RAW / "runs.json"
+DETECTION_RUNS = RAW / "detection_runs.json"  # examples/train_detection.py runs' summaries, by name
 EPOCHS = OUT / "epochs.csv"
 RUN_COLUMNS = ("run", "model", "preset", "model_kwargs", "optimizer", "lr", "batch_size", "epochs", "budget_min",
                "seed", "accuracy", "best_accuracy", "accuracy_tta", "attention_px_block1", "erf_px_first",
                "erf_px_last", "accuracy_farthest", "farthest_px", "images_per_s", "train_min", "params", "hardware",
                "torch", "git_commit", "command")
-DETECTION_COLUMNS = ("backbone", "detector", "backbone_params", "steps", "batch_size", "train_min", "ap", "ap50",
-                     "ap75", "ap_small", "ap_medium", "hardware", "torch", "command")
+DETECTION_COLUMNS = ("run", "data", "backbone", "detector", "backbone_params", "seed", "epochs", "steps", "batch_size",
+                     "train_min", "images_per_s", "ap", "ap50", "ap75", "ap_small", "ap_medium", "ap_large",
+                     "hardware", "torch", "command")
 EPOCH_COLUMNS = ("run", "model", "seed", "epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
                  "train_seconds", "images_per_s", "optimizer", "peak_lr", "batch_size", "hardware", "command")
 SPEED_COLUMNS = ("source", "case", "note", "library", "precision", "batch", "rate", "unit", "ratio", "peak_mb",
@@ -61,6 +63,7 @@ class Catalog:
     machines: dict[str, tuple[str, str]]  # tag -> (hardware, short name)
     readme: tuple[tuple[str, str, dict[str, tuple[str, ...]]], ...]  # (task, study, {family or 'control': runs})
     tables: dict[str, tuple[tuple[str, str, tuple[str, ...], str, str], ...]]  # (what, study, runs, family, model)
+    detection: dict[str, tuple[tuple[str, tuple[str, ...]], ...]]  # (what, runs) of detection_runs.json
 
     @property
     def short(self) -> dict[str, str]:
@@ -96,7 +99,9 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
     tables = {name: tuple((field(r, "what", name), field(r, "study", name), runs(field(r, "runs", name), name),
                            field(r, "family", name), field(r, "model", name)) for r in rows)
               for name, rows in raw.get("tables", {}).items()}
-    return Catalog({k: tuple(v) for k, v in raw["machines"].items()}, readme, tables)
+    detection = {name: tuple((field(r, "what", name), runs(field(r, "runs", name), name)) for r in rows)
+                 for name, rows in raw.get("detection", {}).items()}
+    return Catalog({k: tuple(v) for k, v in raw["machines"].items()}, readme, tables, detection)
 
 
 # -- collect -------------------------------------------------------------------------------------
@@ -284,11 +289,15 @@ def read_run(folder: Path) -> tuple[dict, list[dict]]:
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise Refused(f"{folder}/summary.json is not whole JSON ({e}); a crash cut it: resume the run to rewrite "
                       "it") from None
-    if not isinstance(summary, dict) or not {"status", "config", "models", "dataset"} <= set(summary):
-        raise Refused(f"{folder}/summary.json is not a train_cifar.py summary (expected status, config, models and "
-                      "dataset)")
+    detection = isinstance(summary, dict) and "result" in summary and "models" not in summary
+    if not isinstance(summary, dict) or not ({"status", "config", "result"} if detection else
+                                             {"status", "config", "models", "dataset"}) <= set(summary):
+        raise Refused(f"{folder}/summary.json is neither a train_cifar.py summary (status, config, models, dataset) "
+                      "nor a train_detection.py one (status, config, result)")
     if summary["status"] != "ok":
         raise Refused(f"{folder}: the run did not finish (status {summary['status']!r}); resume it first")
+    if detection and summary.get("control"):  # the constant box trains nothing: no metrics lines
+        return summary, []
     try:
         lines = read_jsonl(folder / "metrics.jsonl", METRICS_KEYS)
     except FileNotFoundError:
@@ -307,6 +316,13 @@ def add_run(folder: Path, name: str, replace: bool = False) -> None:
     if machine(name) == "unknown":
         raise Refused(f"{name}: the name must end in a machine tag, one of {', '.join(load_catalog().machines)}")
     summary, lines = read_run(Path(folder))
+    if "models" not in summary:  # a detection run: its summary alone, into detection_runs.json
+        kept = json.loads(DETECTION_RUNS.read_text()) if DETECTION_RUNS.exists() else {}
+        if name in kept and not replace:
+            raise Refused(f"{name} is already a kept detection run; choose another name, or --replace it")
+        kept[name] = {k: v for k, v in summary.items() if k not in ("out",)}
+        write_text_atomic(DETECTION_RUNS, json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
+        return
     kept = json.loads(RUNS.read_text()) if RUNS.exists() else {}
     if name in kept and not replace:
         raise Refused(f"{name} is already a kept run (docs/results/runs.json); choose another name, or --replace it")
@@ -439,23 +455,95 @@ def speed_table(source: str, rows: list[dict]) -> str:
 
 
 def detection_rows() -> list[dict]:
-    """The shapes experiment (examples/detect_shapes.py), one row per backbone."""
+    """The shapes experiment (examples/detect_shapes.py), one row per backbone, and every kept
+    examples/train_detection.py run (``detection_runs.json``), one row each."""
     d = json.loads((RAW / "detect_shapes.json").read_text())
     c = d["config"]
     rows = []
     for name, r in d["results"].items():
         f = r["final"]
-        rows.append({"backbone": name, "detector": "fcos", "backbone_params": r["backbone_params"],
+        rows.append({"run": "detect_shapes", "data": "shapes", "backbone": name, "detector": "fcos",
+                     "backbone_params": r["backbone_params"], "seed": c.get("seed", 0),
                      "steps": r["state"]["global_step"], "batch_size": c["batch_size"],
                      "train_min": round(r["state"]["train_seconds"] / 60, 2), "ap": round(f["map"], 3),
                      "ap50": round(f["map_50"], 3), "ap75": round(f["map_75"], 3), "ap_small": round(f["map_small"], 3),
-                     "ap_medium": round(f["map_medium"], 3),
+                     "ap_medium": round(f["map_medium"], 3), "ap_large": round(f["map_large"], 3),
                      "hardware": f"{d['env'].get('cpu', 'unknown CPU')}, {d['env'].get('cpu_count')} cores",
                      "torch": d["env"]["torch"], "command": "python examples/detect_shapes.py"})
+    kept = json.loads(DETECTION_RUNS.read_text()) if DETECTION_RUNS.exists() else {}
+    for name, s in kept.items():
+        cfg, r, env = s["config"], s["result"], s.get("environment", {})
+        control = bool(s.get("control"))
+        rows.append({"run": name, "data": Path(cfg["data_dir"]).name, "backbone": "constant box" if control else
+                     cfg["model"], "detector": None if control else cfg["detector"],
+                     "backbone_params": s.get("params"), "seed": cfg["seed"],
+                     "epochs": None if control else round(r["epochs"], 1), "steps": None if control else r["steps"],
+                     "batch_size": None if control else cfg["batch_size"],
+                     "train_min": None if control else round(r["train_seconds"] / 60, 2),
+                     "images_per_s": None if control else round(r["images_per_s"], 2),
+                     **{k: round(r[f"final_{m}"], 3) for k, m in (("ap", "map"), ("ap50", "map_50"), ("ap75", "map_75"),
+                                                                  ("ap_small", "map_small"),
+                                                                  ("ap_medium", "map_medium"),
+                                                                  ("ap_large", "map_large"))},
+                     "hardware": machine(name), "torch": env.get("torch"), "command": detection_command(cfg)})
     return rows
 
 
+def detection_command(config: dict) -> str:
+    """The examples/train_detection.py command of a kept run's options (those that differ from
+    today's defaults; the data folder as named)."""
+    from vitattn.tasks.detect import Config
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    parts = ["python examples/train_detection.py"]
+    for k, v in config.items():
+        if k in ("out", "resume", "progress", "tensorboard", "workers") or k not in defaults or v == defaults[k]:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if k == "data_dir":
+            v = f"path/to/{Path(v).name}"
+        if k == "initial_checkpoint":
+            v = "path/to/cifar_run/checkpoints/vit.safetensors"
+        if isinstance(v, bool):
+            parts.append(flag if v else f"--no-{flag[2:]}")
+        elif isinstance(v, (list, tuple)):
+            parts.append(f"{flag} {' '.join(map(str, v))}")
+        else:
+            parts.append(f"{flag} '{v}'" if isinstance(v, str) and ("{" in v or " " in v) else f"{flag} {v}")
+    return " ".join(parts)
+
+
+def detection_row(what: str, mine: list[dict], catalog: Catalog) -> str:
+    """One row of a detection study: its runs' AP, AP50 and AP75 (mean ± std over the seeds), their
+    epochs, speed and training minutes (means), and the hardware."""
+    def cell(key: str) -> str:
+        return mean_std([r[key] for r in mine], digits=3)
+
+    def mean(key: str, fmt: str) -> str:
+        return "" if mine[0][key] is None else f"{sum(r[key] for r in mine) / len(mine):{fmt}}"
+
+    seeds = seeds_cell([r["seed"] for r in mine]) if mine[0]["epochs"] is not None else "-"
+    hardware = " / ".join(sorted({catalog.short.get(r["hardware"], r["hardware"]) for r in mine}))
+    return (f"| {what} | {mine[0]['backbone']} | **{cell('ap')}** | **{cell('ap50')}** | {cell('ap75')} | {seeds} | "
+            f"{mean('epochs', '.0f')} | {mean('images_per_s', '.1f')} | {mean('train_min', '.1f')} | {hardware} |")
+
+
+def detection_study_table(catalog: Catalog, name: str, rows: list[dict]) -> str:
+    """A detection study of the catalog (``[[detection.NAME]]``): a row per entry, its runs' seeds
+    pooled, mean ± std of AP and AP50."""
+    lines = ["| what | backbone | AP | AP50 | AP75 | seeds | epochs | img/s | train min | hardware |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for what, runs_ in catalog.detection[name]:
+        mine = [r for r in rows if r["run"] in runs_]
+        if {r["run"] for r in mine} != set(runs_):
+            raise SystemExit(f"detection table {name!r} names runs docs/results/detection_runs.json does not hold: "
+                             f"{sorted(set(runs_) - {r['run'] for r in mine})}")
+        lines.append(detection_row(what, mine, catalog))
+    return "\n".join(lines) + "\n"
+
+
 def detection_table(rows: list[dict]) -> str:
+    rows = [r for r in rows if r["run"] == "detect_shapes"]
     lines = ["| backbone | backbone params | steps (batch 16) | AP | AP50 | AP75 | AP small | AP medium | hardware |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -549,6 +637,8 @@ def render(catalog: Catalog, c: Collected, names: list[str]) -> dict[str, str]:
             return speed_table(name.removeprefix("speed/"), c.speed)
         if name in catalog.tables:
             return table(catalog, name, c.studies)
+        if name.startswith("detection/") and name.removeprefix("detection/") in catalog.detection:
+            return detection_study_table(catalog, name.removeprefix("detection/"), c.detection)
         raise SystemExit(f"a page has the marker results:{name}, which neither results/catalog.toml nor a "
                          "benchmark file in benchmarks/results/ makes")
 
@@ -571,7 +661,8 @@ def outputs() -> dict[Path, str]:
     pages = {page: page.read_text() for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))}
     names = list(dict.fromkeys(m for text in pages.values() for m in re.findall(r"<!-- results:(\S+):begin -->", text)))
     catalog = load_catalog()
-    unshown = sorted(set(catalog.tables) - set(names))
+    unshown = sorted(set(catalog.tables) - set(names)) + sorted(f"detection/{n}" for n in catalog.detection
+                                                               if f"detection/{n}" not in names)
     if unshown:
         raise SystemExit(f"results/catalog.toml describes tables no page shows: {unshown}; add their markers or "
                          "drop them")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,29 @@ def test_a_config_file_reads_yaml_numbers_as_people_write_them_and_the_command_l
     with pytest.raises(SystemExit) as e:
         T.parse_args(["-c", str(f)])
     assert e.value.code == 2 and "together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["train_cifar", "train_detection"])
+def test_help_comes_in_groups_a_newcomer_reads_in_order_and_says_defaults_as_values(script, capsys):
+    """--help's groups run data first, then models, budget and run folder, recipe, precision and
+    devices, outputs; every option is in one of them; and no default prints an internal name."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    module = __import__(script)
+    with pytest.raises(SystemExit):
+        (module.parse_args if script == "train_cifar" else module.command_line)(["--help"])
+    text = capsys.readouterr().out
+    titles = re.findall(r"^(\S[^\n]*):$", text, re.M)
+    expected = (["options", "data and task", "models", "budget, seeds and run folder",
+                 "recipe (each model family's own unless given)", "precision, devices and speed", "outputs"]
+                if script == "train_cifar" else
+                ["options", "data", "detector and backbone", "budget, seed and run folder", "recipe",
+                 "precision and devices", "outputs and scoring"])
+    assert titles == expected
+    assert text.index("--data-dir") < text.index("--epochs") < text.index("--lr") < text.index("--amp")
+    flat = " ".join(text.split())
+    for bad in ("DEFAULT_PRESETS", "default: None", "default: unset", "(default: )"):
+        assert bad not in flat, bad
+    assert "--malloc" in flat and re.search(r"--malloc \{keep,system\}.*?\(default: keep\)", flat)

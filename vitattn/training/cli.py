@@ -26,7 +26,8 @@ from .errors import Signalled, UsageError, preview
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> Any:
-    """A config field with its ``--help`` text; ``choices`` and ``aliases`` (other flags) in ``meta``."""
+    """A config field with its ``--help`` text; ``choices``, ``aliases`` (other flags) and, for a
+    ``None`` default, ``unset`` (what leaving it out means, for --help) in ``meta``."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
@@ -88,31 +89,49 @@ def check_fields(cfg: Any) -> None:
                 raise UsageError(f"{flag} must be {want}, got {x!r}")
 
 
+def default_text(f: dataclasses.Field, flag: str, defaults: dict[str, str]) -> str:
+    """An option's default as a user would type it: ``defaults[name]`` where given (what a ``None``
+    stands for), a flag's on or off form, a tuple's values, else the value."""
+    if f.name in defaults:
+        return defaults[f.name]
+    if f.type == "bool":
+        return flag if f.default else "--no-" + flag[2:]
+    if f.default is None:
+        return f.metadata.get("unset", "none")  # what leaving it out means
+    return " ".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
+
+
 def build_parser(cls: type, description: str, epilog: str | None = None,
                  defaults: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """An option per field of the dataclass ``cls`` (``--snake-case`` of its name, then its
     aliases), typed by the annotation, booleans as ``--x`` / ``--no-x``; plus ``-c/--config``. Each
-    help ends with its default, said once: ``defaults[name]`` where given (what a ``None`` stands
-    for), else the field's value unless the help text already names it."""
+    help ends with its default, said once, as a value the user would type (:func:`default_text`).
+    ``cls.HELP_GROUPS`` (title -> field names) puts the options in groups, in that order, the
+    common ones first; a field it does not name goes last, under "other"."""
     defaults = defaults or {}
     p = argparse.ArgumentParser(description=description, epilog=epilog)
-    p.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
-    for f in dataclasses.fields(cls):
-        flags, help_ = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
-        if f.name in defaults:
-            help_ += f" (default: {defaults[f.name]})"
-        elif f.type == "bool":
-            help_ += f" (default: {flags[0] if f.default else '--no-' + flags[0][2:]})"
-        elif "default" not in help_:
-            help_ += f" (default: {f.default})"
-        if f.type == "bool":
-            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    named = {name for names in getattr(cls, "HELP_GROUPS", {}).values() for name in names}
+    groups = [*getattr(cls, "HELP_GROUPS", {}).items(), ("other", tuple(n for n in fields_ if n not in named))]
+    last = groups[-2][0] if len(groups) > 1 else "other"  # the outputs: -c FILE goes with them
+    for title, names in groups:
+        if not names and title != last:
             continue
-        nargs = "+" if f.type.startswith("tuple") else None
-        kind = float if "float" in f.type else int if "int" in f.type else str
-        p.add_argument(*flags, dest=f.name, type=kind, nargs=nargs, default=f.default,
-                       choices=f.metadata.get("choices"), metavar=None if "choices" in f.metadata else f.name.upper(),
-                       help=help_)
+        g = p.add_argument_group(title)
+        if title == last:
+            g.add_argument("-c", "--config", metavar="FILE", help="YAML of option values, used as defaults")
+        for name in names:
+            f = fields_[name]
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            help_ = f"{f.metadata['help']} (default: {default_text(f, flags[0], defaults)})"
+            if f.type == "bool":
+                g.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+                continue
+            nargs = "+" if f.type.startswith("tuple") else None
+            kind = float if "float" in f.type else int if "int" in f.type else str
+            g.add_argument(*flags, dest=f.name, type=kind, nargs=nargs, default=f.default,
+                           choices=f.metadata.get("choices"),
+                           metavar=None if "choices" in f.metadata else f.name.upper(), help=help_)
     return p
 
 

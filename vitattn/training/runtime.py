@@ -172,7 +172,9 @@ class RunOptions:
     precision, on which device, from which seed, shown how, resumed from where. Each script's
     config adds its own (``classify.Config``, ``detect.Config``)."""
 
-    time_budget: float | None = option(None, "minutes of training steps (per model); ends the run if reached first")
+    time_budget: float | None = option(None, "minutes of training steps per model (evaluation, test-time "
+                                       "augmentation and the report come after it); ends the run if reached first",
+                                       unset="none: --epochs ends the run")
     amp: bool = option(False, "mixed precision: forward and backward under autocast in --amp-dtype (timm's --amp); "
                        "a detector's heads and boxes stay in fp32")
     amp_dtype: str = option("bfloat16", "autocast precision; float16 adds a gradient scaler (checkpointed)",
@@ -183,7 +185,8 @@ class RunOptions:
     progress: bool = option(True, "tqdm progress bar")
     tensorboard: bool = option(True, "TensorBoard curves in <out>/tensorboard (tensorboard --logdir runs), where the "
                                "tensorboard package is installed")
-    resume: str | None = option(None, "a run folder to continue, with the options it was started with")
+    resume: str | None = option(None, "a run folder to continue, with the options it was started with",
+                                unset="a new run")
     malloc: str = option("keep", "glibc's malloc: 'keep' freed memory for the next step (no mmap, no trim; "
                          "faster, the process keeps its peak) or 'system' (glibc's defaults)",
                          choices=("keep", "system"))

@@ -21,8 +21,8 @@ from .recipes import DEFAULT_PRESETS, Recipe, recipe_for
 @dataclass
 class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
     model: str = option("both", "which to train", choices=("vit", "cnn", "both"))
-    vit_preset: str | None = option(None, "ViT preset (vitattn.list_models()); default: DEFAULT_PRESETS[dataset]")
-    cnn_preset: str | None = option(None, "CNN preset; default: DEFAULT_PRESETS[dataset]")
+    vit_preset: str | None = option(None, "ViT preset (--list-models)")
+    cnn_preset: str | None = option(None, "CNN preset (--list-models)")
     vit_kwargs: str = option("{}", "JSON of ViT config fields over the preset's, e.g. '{\"depth\": 2}' (timm's "
                              "--model-kwargs)")
     cnn_kwargs: str = option("{}", "JSON of CNN config fields over the preset's, e.g. '{\"widths\": [64, 256]}'")
@@ -38,8 +38,8 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
                                         "noise: finding a 3x3 mark is hard too)", choices=tuple(BACKGROUNDS))
     long_range_train: int = option(20_000, "images generated for training the long-range task")
     long_range_test: int = option(4_000, "images generated for testing it")
-    limit_train: int | None = option(None, "use only N training images, taken from the classes in turn")
-    limit_test: int | None = option(None, "use only N test images, taken from the classes in turn")
+    limit_train: int | None = option(None, "use only N training images, taken from the classes in turn", unset="all")
+    limit_test: int | None = option(None, "use only N test images, taken from the classes in turn", unset="all")
     epochs: float | None = option(None, "passes over the training set, unless --time-budget ends the run first")
     flip: bool = option(True, "augmentation: random horizontal mirror")
     teacher: str | None = option(None, "a finished train_cifar.py run folder whose CNN the ViT also learns from "
@@ -49,7 +49,7 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
     seeds: str | None = option(None, "several seeds trained at once in one process, one copy of each model per "
                                "seed: '0,1,2,3', '0-7' or '0-3,8'; seed k trains as --seed k would (its weights, data "
                                "order and augmentation), and the summary gives each figure's mean, std, min and max "
-                               "over the seeds; --seed N is --seeds N")
+                               "over the seeds; --seed N is --seeds N", unset="one seed, --seed")
     seed_batching: str = option("auto", "how a group of seeds runs its forward passes: 'loop' (each seed in turn; "
                                 "the faster on a CPU, measured), 'vmap' (all seeds in one call of each layer, "
                                 "torch.func.vmap, for a GPU) or 'auto' (vmap on CUDA, loop elsewhere)",
@@ -64,12 +64,26 @@ class Config(runtime.RunOptions, cli.overrides_of(Recipe, skip=("epochs",))):
     channels_last: bool = option(True, "NHWC memory layout for the CNN")
     tta: bool = option(True, "also report final accuracy over mirrored and shifted views")
     eval_batch_size: int = option(500, "images per evaluation batch")
-    out: str | None = option(None, "run folder (default: runs/<timestamp>); must not hold a run already",
+    out: str | None = option(None, "run folder; must not hold a run already", unset="runs/<timestamp>",
                              aliases=("--output",))
-    context_images: int | None = option(None, "test images for the global-context measures (default: 128, or "
-                                        "the whole test set when smaller)")
+    context_images: int | None = option(None, "test images for the global-context measures",
+                                        unset="128, or the whole test set when smaller")
     plots: bool = option(True, "write PNG plots (matplotlib)")
 
+    # --help in the order a newcomer needs the options, the common ones first
+    HELP_GROUPS = {
+        "data and task": ("data_dir", "dataset", "limit_train", "limit_test", "download", "long_range_task",
+                          "long_range_background", "long_range_train", "long_range_test"),
+        "models": ("model", "vit_preset", "cnn_preset", "vit_kwargs", "cnn_kwargs", "teacher"),
+        "budget, seeds and run folder": ("epochs", "time_budget", "seeds", "seed", "out", "resume", "seed_batching"),
+        "recipe (each model family's own unless given)": (
+            "optimizer", "lr", "batch_size", "weight_decay", "warmup", "decay", "label_smoothing", "grad_clip",
+            "translate", "flip", "cutout", "padding_mode", "momentum", "beta2", "bias_lr_scale", "model_ema_decay",
+            "warmup_lr", "min_lr"),
+        "precision, devices and speed": ("amp", "amp_dtype", "bf16", "device", "compile", "tf32", "cudnn_benchmark",
+                                         "channels_last", "malloc", "eval_batch_size"),
+        "outputs": ("progress", "plots", "tensorboard", "tta", "context_images"),
+    }
     POSITIVE = ("epochs", "time_budget", "lr", "bias_lr_scale", "batch_size", "eval_batch_size", "context_images",
                 "long_range_train", "long_range_test", "limit_train", "limit_test")
     NON_NEGATIVE = ("weight_decay", "warmup_lr", "min_lr", "grad_clip", "translate", "cutout", "seed")

@@ -172,13 +172,8 @@ def check_coco(ann: Path, images: Path) -> tuple[dict, dict[str, int]]:
 def load_split(root: Path, split: str, *, train: bool, limit: int | None = None, masks: bool = False,
                aug: str = "none") -> Split:
     """One split of a COCO-format folder (``annotations/instances_<split>.json``, ``<split>/``):
-    read and checked once (:func:`check_coco`), then a torchvision dataset of its images (training:
-    only those with a usable box, as torchvision's references) under ``aug``. A missing folder or
-    file, an empty split and masks asked of boxes are UsageErrors that name what was expected."""
-    from pycocotools.coco import COCO
-    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
-    from torchvision.transforms import v2
-
+    read and checked once (:func:`check_coco`), then :func:`make_split`. A missing folder or file
+    is a UsageError that names what was expected."""
     root = Path(root)
     ann, images = root / "annotations" / f"instances_{split}.json", root / split
     if not root.is_dir():
@@ -188,6 +183,19 @@ def load_split(root: Path, split: str, *, train: bool, limit: int | None = None,
             raise UsageError(f"--data-dir {root}: no {what} {path} (expected COCO's layout: annotations/"
                              f"instances_<split>.json and <split>/ holding its images)")
     data, odd = check_coco(ann, images)
+    return make_split(data, images, str(ann), split, odd, train=train, limit=limit, masks=masks, aug=aug)
+
+
+def make_split(data: dict, images: Path, source: str, split: str, odd: dict[str, int], *, train: bool,
+               limit: int | None = None, masks: bool = False, aug: str = "none") -> Split:
+    """A checked COCO dictionary (a COCO file's, or a VOC folder's made into one) as a torchvision
+    dataset of its images in ``images`` (training: only those with a usable box, as torchvision's
+    references) under ``aug``. An empty split and masks asked of boxes are UsageErrors naming
+    ``source``."""
+    from pycocotools.coco import COCO
+    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+    from torchvision.transforms import v2
+
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
         coco = COCO()
         coco.dataset = data
@@ -207,12 +215,12 @@ def load_split(root: Path, split: str, *, train: bool, limit: int | None = None,
         ids = [i for i in ids if any(usable(a, coco.imgs[i]) for a in coco.imgToAnns[i])]
     ids = ids[:limit]
     if not ids:
-        raise UsageError(f"{ann}: no {'annotated ' if train else ''}images in split {split!r}")
+        raise UsageError(f"{source}: no {'annotated ' if train else ''}images in split {split!r}")
     if not any(usable(a, coco.imgs[i]) for i in ids for a in coco.imgToAnns[i]):
-        raise UsageError(f"{ann}: no box in split {split!r} is usable once clamped to its image: nothing to "
+        raise UsageError(f"{source}: no box in split {split!r} is usable once clamped to its image: nothing to "
                          f"{'learn' if train else 'score'}")
     if masks and any("segmentation" not in a for i in ids for a in coco.imgToAnns[i]):
-        raise UsageError(f"--detector maskrcnn learns masks: every annotation in {ann} needs a 'segmentation'")
+        raise UsageError(f"--detector maskrcnn learns masks: every annotation in {source} needs a 'segmentation'")
     steps = [CocoTargets({c: k + 1 for k, c in enumerate(sorted(coco.getCatIds()))}, masks), v2.ToImage(),
              *(augmentation(aug) if train else []), v2.ToDtype(torch.float32, scale=True)]
     if train:  # boxes clamped to the image, then those left (or made by augmentation) empty dropped
@@ -243,16 +251,17 @@ def coco_eval(gt: Any, detections: list[dict[str, Any]], image_ids: Sequence[int
 
     Returns ``AP_NAMES`` as COCO defines them (``map``: IoU 0.50:0.05:0.95; ``map_50``, ``map_75``;
     ``map_small`` / ``map_medium`` / ``map_large``: objects under 32^2, up to 96^2 and above 96^2
-    pixels; -1 where no ground truth falls in the range) and ``per_class``: each category's AP
-    over the IoU thresholds, for categories with ground truth. Crowd boxes and areas are read as
-    ``gt`` gives them. No detections at all is AP 0 (pycocotools cannot load an empty list).
+    pixels; -1 where no ground truth falls in the range), ``per_class`` (each category's AP over the
+    IoU thresholds) and ``per_class_50`` (at IoU 0.5), for categories with ground truth. Crowd boxes
+    and areas are read as ``gt`` gives them. No detections at all is AP 0 (pycocotools cannot load an empty list).
     """
     from pycocotools.cocoeval import COCOeval
 
     ids = sorted(gt.getImgIds() if image_ids is None else image_ids)
     has_gt = sorted({a["category_id"] for a in gt.loadAnns(gt.getAnnIds(imgIds=ids, iscrowd=False))})
     if not detections:
-        return {**dict.fromkeys(AP_NAMES, 0.0), "per_class": dict.fromkeys(has_gt, 0.0)}
+        return {**dict.fromkeys(AP_NAMES, 0.0), "per_class": dict.fromkeys(has_gt, 0.0),
+                "per_class_50": dict.fromkeys(has_gt, 0.0)}
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
         ev = COCOeval(gt, gt.loadRes(list(detections)), iouType="bbox")
         ev.params.imgIds = ids
@@ -267,7 +276,8 @@ def coco_eval(gt: Any, detections: list[dict[str, Any]], image_ids: Sequence[int
         return float(p[p > -1].mean()) if (p > -1).any() else -1.0
 
     return {**{name: float(v) for name, v in zip(AP_NAMES, ev.stats[:6])},
-            "per_class": {c: mean(prec[:, :, cats.index(c)]) for c in has_gt}}
+            "per_class": {c: mean(prec[:, :, cats.index(c)]) for c in has_gt},
+            "per_class_50": {c: mean(prec[0, :, cats.index(c)]) for c in has_gt}}
 
 
 def coco_map(

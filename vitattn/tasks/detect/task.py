@@ -1,8 +1,8 @@
-"""Object detection on a COCO-format folder as a task of the training loop: the options of
+"""Object detection on a COCO or Pascal VOC folder as a task of the training loop: the options of
 ``examples/train_detection.py``, the detector (a ViTDet pyramid on a vitattn ViT, or
 torchvision's ResNet with an FPN), and the task itself (the sum of the detector's losses; COCO box
-AP after each epoch), and ``detection_run``. The folder is read, checked and scored by
-:mod:`vitattn.tasks.detect.coco`.
+AP after each epoch), and ``detection_run``. The folder is read and checked by
+:mod:`vitattn.tasks.detect.coco` or :mod:`vitattn.tasks.detect.voc` and scored by the former.
 
 References: torchvision's ``references/detection`` (COCO loading, augmentation policies,
 evaluation with pycocotools); Li et al. 2022 (ViTDet) for AdamW with weight decay 0.1.
@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ... import registry
-from ...helpers import count_params
+from ...helpers import count_params, to_2tuple
 from ...training import optim, runtime
 from ...training.cli import check_fields, option, preset_kwargs
 from ...training.errors import UsageError
@@ -35,17 +36,23 @@ from ...vitdet import (
     build_detector,
     fp32_heads,
 )
-from .coco import Split, coco_eval, coco_results, collate, load_split
+from .coco import Split, coco_eval, coco_results, collate, load_split, make_split
+from .voc import check_voc, class_names, find_layout
 
 RESNETS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048}  # torchvision trunks: channels of layer4
 
 
 AUGMENTATIONS = ("hflip", "ssd", "none")  # torchvision references' --data-augmentation policies
+FORMATS = ("auto", "coco", "voc")
 
 
 @dataclass
 class Config(RunOptions):
-    data_dir: str | None = option(None, "COCO-format folder: annotations/instances_<split>.json and <split>/ images")
+    data_dir: str | None = option(None, "a COCO folder (annotations/instances_<split>.json, <split>/ images) or a "
+                                  "Pascal VOC one (Annotations/, JPEGImages/, ImageSets/Main/<split>.txt; or "
+                                  "labelImg's annotations/, images/, <split>.txt)")
+    format: str = option("auto", "the folder's format; 'auto' tells COCO and VOC apart by their files",
+                         choices=FORMATS)
     train_split: str = option("train", "training split name")
     val_split: str = option("val", "evaluation split name")
     detector: str = option("fasterrcnn", "torchvision detector", choices=DETECTORS)
@@ -70,26 +77,40 @@ class Config(RunOptions):
     model_ema_decay: float = option(0.0, "keep and evaluate an exponential moving average of the weights with this "
                                          "decay (timm's --model-ema-decay), in [0, 1); 0 = off")
     grad_clip: float = option(1.0, "max gradient norm; 0 = off", aliases=("--clip-grad",))
-    workers: int = option(min(8, os.cpu_count() or 1), "data loading processes (default: the CPUs, at most 8); 0 "
-                          "loads in this one", aliases=("-j",))
-    limit_train: int | None = option(None, "use only the first N training images")
-    limit_val: int | None = option(None, "evaluate only the first N val images")
+    workers: int = option(min(8, os.cpu_count() or 1), "data loading processes (by default the CPUs, up to 8); "
+                          "0 loads in this one", aliases=("-j",))
+    limit_train: int | None = option(None, "use only the first N training images", unset="all")
+    limit_val: int | None = option(None, "evaluate only the first N val images", unset="all")
     detections_per_img: int = option(100, "detections kept per image, as COCO scores them")
     score_thresh: float = option(0.05, "detections scoring below this are dropped before COCO scoring (torchvision's "
                                  "R-CNN default; its FCOS default, 0.2, would cut recall)")
-    out: str | None = option(None, "run folder (default: runs/detection-<timestamp>); must not hold a run",
+    out: str | None = option(None, "run folder; must not hold a run", unset="runs/detection-<timestamp>",
                              aliases=("--output",))
+    control: bool = option(False, "train nothing: score the constant-box control (the mean training box, relative "
+                           "to each val image, score 1) with the same evaluator")
+    picture: int = option(8, "val photographs drawn with their true and predicted boxes (predictions.png); 0 = none")
 
+    # --help in the order a newcomer needs the options, the common ones first
+    HELP_GROUPS = {
+        "data": ("data_dir", "format", "train_split", "val_split", "limit_train", "limit_val", "aug", "workers"),
+        "detector and backbone": ("detector", "model", "model_kwargs", "pretrained", "pretrained_file",
+                                  "initial_checkpoint", "strides", "out_channels", "window_size", "min_size",
+                                  "max_size", "control"),
+        "budget, seed and run folder": ("epochs", "time_budget", "seed", "out", "resume"),
+        "recipe": ("lr", "batch_size", "weight_decay", "warmup", "grad_clip", "model_ema_decay"),
+        "precision and devices": ("amp", "amp_dtype", "device", "malloc"),
+        "outputs and scoring": ("progress", "tensorboard", "picture", "detections_per_img", "score_thresh"),
+    }
     POSITIVE = ("strides", "out_channels", "window_size", "min_size", "max_size", "epochs", "time_budget",
                 "batch_size", "lr", "limit_train", "limit_val", "detections_per_img")
-    NON_NEGATIVE = ("weight_decay", "grad_clip", "workers", "seed")
+    NON_NEGATIVE = ("weight_decay", "grad_clip", "workers", "seed", "picture")
     FRACTION = ("warmup", "score_thresh", "model_ema_decay")
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.resume and not self.data_dir:
-            raise UsageError("--data-dir is needed: a COCO-format folder (annotations/instances_<split>.json, "
-                             "<split>/ images)")
+            raise UsageError("--data-dir is needed: a COCO folder (annotations/instances_<split>.json, <split>/ "
+                             "images) or a Pascal VOC one (Annotations/, JPEGImages/, ImageSets/Main/<split>.txt)")
         if self.model not in RESNETS and self.model not in registry.PRESETS:
             raise UsageError(f"--model {self.model!r} is neither a vitattn preset nor one of {tuple(RESNETS)}")
         if self.model in registry.PRESETS and registry.PRESETS[self.model][0] != "vit":
@@ -147,9 +168,9 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
     else:
         overlay = dict(file=cfg.pretrained_file) if cfg.pretrained_file else None
         windows = {"window_size": cfg.window_size} if cfg.window_size is not None else {}  # ViTDet's layout
-        vit = registry.create_model(cfg.model, pretrained=cfg.pretrained or bool(overlay),
-                                   pretrained_cfg_overlay=overlay, checkpoint_path=cfg.initial_checkpoint,
-                                   **{**cfg.kwargs(), **windows})
+        vit, started = initial_vit(cfg, windows) if cfg.initial_checkpoint else (registry.create_model(
+            cfg.model, pretrained=cfg.pretrained or bool(overlay), pretrained_cfg_overlay=overlay,
+            **{**cfg.kwargs(), **windows}), None)
         patch = vit.patch_embed.patch_size[0]
         grid = math.ceil(cfg.max_size / patch)  # the token grid's longest side at any image size
         if cfg.window_size is not None and cfg.window_size >= grid:
@@ -165,10 +186,39 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
     detector = build_detector(cfg.detector, backbone, num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
                               **{f"{box}detections_per_img": cfg.detections_per_img,
                                  f"{box}score_thresh": cfg.score_thresh})
-    return fp32_heads(detector) if cfg.amp else detector  # under the loop's autocast: boxes stay in fp32
+    detector = fp32_heads(detector) if cfg.amp else detector  # under the loop's autocast: boxes stay in fp32
+    if cfg.model not in RESNETS:
+        detector.initial_weights = started  # what the ViT started from, for the run's first lines
+    return detector
 
 
-# where and how a run executes and shows, not what it trains: a resume may move them
+def initial_vit(cfg: Config, windows: dict) -> tuple[nn.Module, dict]:
+    """The ViT of ``--initial-checkpoint`` (a train_cifar.py run's weights): built with the fields
+    it was trained with (``vitattn.weights``; the detection's own options on top), its weights
+    loaded with a learned position table resampled to the new grid and a classifier of another
+    size skipped (``load_weights``); returns it and what was loaded, resampled and skipped."""
+    from ...weights import read_weights
+
+    path = cfg.initial_checkpoint
+    try:
+        state, info = read_weights(path)
+        fields = registry.saved_fields(cfg.model, info, path) if info else {}
+        vit = registry.create_model(cfg.model, **{**fields, **cfg.kwargs(), **windows})
+        saved = to_2tuple((info or {}).get("config", {}).get("img_size", vit.config.img_size))
+        patch = vit.patch_embed.patch_size
+        report = vit.load_weights(state, old_grid=(saved[0] // patch[0], saved[1] // patch[1]))
+    except ValueError as e:
+        raise UsageError(f"--initial-checkpoint: {e}") from None
+    table = getattr(vit, "pos_embed", None)
+    moved = table is not None and "pos_embed" in state and state["pos_embed"].shape != table.shape
+    grid = f"{vit.grid_size[0]}x{vit.grid_size[1]}"
+    positions = (f"the learned {grid} position table resampled to the new grid (bicubic)" if moved else
+                 f"the learned {grid} position table, resampled to each image's grid as it runs (bicubic)"
+                 if table is not None else "sin-cos positions, built for each grid")
+    return vit, dict(path=str(path), preset=(info or {}).get("architecture") or cfg.model, trained_on=list(saved),
+                     loaded=len(state) - len(report["skipped"]), positions=positions, skipped=report["skipped"])
+
+
 UNCHECKED_ON_RESUME = ("resume", "out", "device", "workers", "progress", "data_dir", "malloc", "tensorboard")
 
 
@@ -189,8 +239,11 @@ class DetectionTask:
     data_on_clock = False  # reading and decoding image files is not training: off the clock and the budget
 
     def __init__(self, train: Split, val: Split, category_ids: list[int], *, batch_size: int, workers: int,
-                 seed: int, device: torch.device, ranks: Dist, max_dets: int = 100) -> None:
+                 seed: int, device: torch.device, ranks: Dist, max_dets: int = 100,
+                 class_names: list[str] | None = None) -> None:
         self.train, self.val, self.category_ids = train, val, category_ids
+        # label k's name (0: the background), as the run records it
+        self.class_names = class_names or ["background", *(str(c) for c in category_ids[1:])]
         self.batch_size, self.workers, self.seed = batch_size, workers, seed
         self.device, self.ranks, self.max_dets = device, ranks, max_dets
         self.shard = len(train.dataset) // ranks.world  # equal shards: the ranks step in lockstep
@@ -241,7 +294,9 @@ class DetectionTask:
               else None]
         if self.ranks.world > 1:
             dist.broadcast_object_list(ap, src=0)
-        self.last = {k: v for k, v in ap[0].items() if k != "per_class"}
+        name = dict(zip(self.category_ids, self.class_names))
+        self.last = {**{k: v for k, v in ap[0].items() if not k.startswith("per_class")},
+                     **{k: {name[c]: v for c, v in ap[0][k].items()} for k in ("per_class", "per_class_50")}}
         return self.last
 
     def final(self, model: nn.Module) -> dict[str, Any]:
@@ -253,19 +308,56 @@ class DetectionTask:
         return f"AP {metrics['map']:.4f} AP50 {metrics['map_50']:.4f}"
 
 
+def folder_format(cfg: Config) -> str:
+    """``cfg.format``, or for 'auto' the format the folder's files show: COCO's annotation files,
+    else a VOC layout's folders."""
+    if cfg.format != "auto":
+        return cfg.format
+    root = Path(cfg.data_dir)
+    if not root.is_dir():
+        raise UsageError(f"--data-dir {root}: no such folder")
+    if any((root / "annotations").glob("instances_*.json")):
+        return "coco"
+    if find_layout(root) is not None:
+        return "voc"
+    raise UsageError(f"--data-dir {root}: neither COCO (annotations/instances_{cfg.train_split}.json) nor Pascal VOC "
+                     "(Annotations/ and JPEGImages/, or annotations/ and images/); --format names it if it is one")
+
+
+def load_splits(cfg: Config) -> tuple[Split, Split, list[str]]:
+    """The training and val splits, read and checked whole, and the class names (label k's is
+    ``names[k]``, 0 the background): a COCO file's category names, or the VOC folder's, sorted."""
+    masks = cfg.detector == "maskrcnn"
+    if folder_format(cfg) == "voc":
+        if masks:
+            raise UsageError("--detector maskrcnn learns masks; a VOC folder has boxes only")
+        root = Path(cfg.data_dir)
+        names = class_names(root, [cfg.train_split, cfg.val_split])
+        splits = []
+        for split, train in ((cfg.train_split, True), (cfg.val_split, False)):
+            data, images, odd = check_voc(root, split, names)
+            splits.append(make_split(data, images, f"{root} ({split})", split, odd, train=train,
+                                     limit=cfg.limit_train if train else cfg.limit_val, aug=cfg.aug))
+        return splits[0], splits[1], ["background", *sorted(names, key=names.get)]
+    train, val = (load_split(cfg.data_dir, split, train=train, limit=cfg.limit_train if train else cfg.limit_val,
+                             masks=masks, aug=cfg.aug)
+                  for split, train in ((cfg.train_split, True), (cfg.val_split, False)))
+    cats = train.coco.loadCats(sorted(train.coco.getCatIds()))
+    return train, val, ["background", *(str(c.get("name", c["id"])) for c in cats)]
+
+
 def detection_task(cfg: Config, device: torch.device, ranks: Dist) -> DetectionTask:
     """The folder's splits, loaded and checked whole, as a task; their categories must agree."""
     if cfg.batch_size % ranks.world:
         raise UsageError(f"--batch-size is the global batch and must split evenly over the {ranks.world} processes, "
                          f"got {cfg.batch_size}; use a multiple of {ranks.world}")
-    train, val = (load_split(cfg.data_dir, split, train=train, limit=cfg.limit_train if train else cfg.limit_val,
-                             masks=cfg.detector == "maskrcnn", aug=cfg.aug)
-                  for split, train in ((cfg.train_split, True), (cfg.val_split, False)))
+    train, val, names = load_splits(cfg)
     category_ids = [0, *sorted(train.coco.getCatIds())]  # label k -> category_ids[k]; 0 is the background
     if sorted(val.coco.getCatIds()) != category_ids[1:]:
         raise UsageError(f"the {cfg.train_split} and {cfg.val_split} annotation files list different categories")
     return DetectionTask(train, val, category_ids, batch_size=cfg.batch_size // ranks.world, workers=cfg.workers,
-                         seed=cfg.seed, device=device, ranks=ranks, max_dets=cfg.detections_per_img)
+                         seed=cfg.seed, device=device, ranks=ranks, max_dets=cfg.detections_per_img,
+                         class_names=names)
 
 
 def detection_run(cfg: Config, task: DetectionTask, model: nn.Module, device: torch.device, ranks: Dist,
@@ -279,7 +371,7 @@ def detection_run(cfg: Config, task: DetectionTask, model: nn.Module, device: to
                      lr_at=lambda p: optim.get_lr(p, cfg.lr, cfg.warmup, "cosine"), grad_clip=cfg.grad_clip,
                      total_steps=cfg.epochs * task.steps_per_epoch, device=device, ranks=ranks, seed=cfg.seed,
                      amp_dtype=cfg.autocast_dtype(), ema_decay=cfg.model_ema_decay, config=dataclasses.asdict(cfg),
-                     extra={"category_ids": task.category_ids})
+                     extra={"category_ids": task.category_ids, "class_names": task.class_names})
 
 
 def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: Run) -> list[str]:
@@ -290,6 +382,12 @@ def describe_run(cfg: Config, model: nn.Module, task: DetectionTask, run: Run) -
              f"on {run.device}, world size {run.ranks.world}"]
     for name, split in ((cfg.train_split, task.train), (cfg.val_split, task.val)):
         lines.append(f"{name}: " + ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in split.odd.items()))
+    started = getattr(model, "initial_weights", None)
+    if started:
+        lines.append(f"backbone from {started['path']} ({started['preset']}, trained on {started['trained_on'][0]}x"
+                     f"{started['trained_on'][1]} images): {started['loaded']} tensors loaded; positions: "
+                     f"{started['positions']}; skipped: {', '.join(started['skipped']) or 'none'}; its classifier "
+                     "is dropped (the detector brings its own heads)")
     if runtime.precision_warning(run.device, cfg.autocast_dtype()):
         lines.append(f"warning: {runtime.precision_warning(run.device, cfg.autocast_dtype())}")
     return lines
