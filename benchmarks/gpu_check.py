@@ -65,6 +65,9 @@ COMPILE_SPEED = 0.95
 TIMM_SPEED = 0.8
 SEEDS = 8
 TARGETS = {("cnn", 1): 100_000, ("vit", 1): 25_000, ("vit", SEEDS): 80_000}
+# --quick's runs: the small presets, no test-time augmentation, few images measured (what a CPU
+# dry run checks is the machinery, not the figures)
+MINIATURE = ["--vit-preset=vit_quick", "--cnn-preset=cnn_quick", "--no-tta", "--context-images=8"]
 
 
 # train_cifar.py run as a program; a Ctrl-C at a given training step (the nth cross-entropy), and
@@ -108,7 +111,7 @@ def train_cifar(args, out: Path, *flags: str, interrupt_at: int = 0, determinist
                 check: bool = True) -> dict:
     """``python train_cifar.py`` with the check's data and ``flags``; returns its summary.json and
     its exit status (``returncode``)."""
-    quick = ["--epochs=1", "--batch-size=64", "--context-images=8"] if args.quick else [f"--epochs={args.epochs}"]
+    quick = ["--epochs=1", "--batch-size=64", *MINIATURE] if args.quick else [f"--epochs={args.epochs}"]
     argv = [*data_flags(args), *quick, f"--device={args.device}", f"--out={out}", "--no-progress", "--no-plots",
             *flags]
     p = run_script(argv, interrupt_at, deterministic)
@@ -194,7 +197,8 @@ def torchrun(args, work: Path, report: dict) -> dict:
     flags = [] if args.dtypes[0] == "float32" else ["--amp", f"--amp-dtype={args.dtypes[0]}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_cifar.py"), *data, "--model=cnn", f"--epochs={1 if args.quick else args.epochs}",
-           *flags, f"--device={device}", f"--out={out_dir}", "--no-progress", "--no-plots", "--context-images=8"]
+           *flags, f"--device={device}", f"--out={out_dir}", "--no-progress", "--no-plots",
+           *(MINIATURE if args.quick else ["--context-images=8"])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
     report["torchrun"] = dict(command=" ".join(cmd), returncode=p.returncode, tail=(p.stdout + p.stderr)[-3000:])
     if device == "cuda" and gpus < 2:  # two ranks cannot each own a GPU: the refusal is what is checked

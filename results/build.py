@@ -497,7 +497,8 @@ def detection_command(config: dict) -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     parts = ["python examples/train_detection.py"]
     for k, v in config.items():
-        if k in ("out", "resume", "progress", "tensorboard", "workers") or k not in defaults or v == defaults[k]:
+        if k in ("out", "resume", "progress", "tensorboard", "workers") or k not in defaults or (
+                tuple(v) if isinstance(v, list) else v) == defaults[k]:  # JSON gives lists for tuples
             continue
         flag = "--" + k.replace("_", "-")
         if k == "data_dir":

@@ -164,3 +164,34 @@ def test_every_image_in_docs_is_shown_somewhere():
     pages = "".join(p.read_text() for p in [*user_pages(), ROOT / "docs" / "journal.md"])
     unused = sorted(p.name for p in (ROOT / "docs" / "img").iterdir() if p.name not in pages)
     assert not unused, f"docs/img holds images no page shows: {unused}"
+
+
+def test_every_readme_command_on_a_run_folder_runs_as_written(tmp_path, folder):
+    """The commands README and benchmarks/README show on run folders (``runs/...``) run as
+    written on folders the main job made (a tiny run of both models), in a fresh directory."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import tiny
+
+    import train_cifar as T
+
+    made = Path(T.main(tiny(tmp_path / "made", folder, model="both", epochs=1, vit_preset="vit_quick"))["out"])
+    commands = [c for page in (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+                for c in re.findall(r"`(python [^`]*runs/[^`]*)`|^(python .*runs/.*)$", page.read_text(), re.M)]
+    commands = [a or b for a, b in commands]
+    assert any("time_to_accuracy" in c for c in commands)  # the tool the issue found refusing default runs
+    work = tmp_path / "work"
+    for command in commands:
+        argv = shlex.split(command.split("  #")[0])
+        for arg in argv:
+            if arg.startswith("runs/") and not (work / arg).exists():
+                shutil.copytree(made, work / arg)
+        argv = [sys.executable, *(str(ROOT / a) if a.endswith(".py") else a for a in argv[1:])]
+        done = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
+        assert done.returncode == 0, f"{command}\n{done.stdout}{done.stderr}"
+    assert (work / "docs" / "img" / "time_to_accuracy_curves.png").is_file()

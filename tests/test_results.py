@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -48,6 +49,25 @@ def test_every_command_runs_today_with_todays_presets():
                 cfg = train_cifar.parse_args(argv[2:])
             assert cfg.preset(row["model"]) == row["preset"], row["run"]
             assert cfg.model_kwargs(row["model"]) == json.loads(row["model_kwargs"]), row["run"]
+
+
+def test_every_detection_command_gives_back_its_run_s_options_and_names_only_those_it_changed():
+    import shlex
+
+    from examples.train_detection import Config
+    from vitattn.training import cli
+
+    kept = json.loads((ROOT / "docs" / "results" / "detection_runs.json").read_text())
+    rows = {r["run"]: r for r in csv.DictReader(open(ROOT / "results" / "detection.csv"))}
+    defaults = Config(data_dir="d")
+    for name, run in kept.items():
+        argv = shlex.split(rows[name]["command"])[2:]
+        cfg = cli.parse_config(cli.build_parser(Config, ""), Config, argv)
+        paths = ("data_dir", "initial_checkpoint", "out", "resume", "progress", "tensorboard", "workers")
+        assert {k: v for k, v in dataclasses.asdict(cfg).items() if k not in paths} == {
+            k: tuple(v) if isinstance(v, list) else v for k, v in run["config"].items() if k not in paths}, name
+        flags = [a[2:].replace("-", "_") for a in argv if a.startswith("--") and not a.startswith("--no-")]
+        assert [f for f in flags if getattr(cfg, f) == getattr(defaults, f)] == [], name  # only what differs
 
 
 def test_step_speed_rows_name_their_hardware_and_a_benchmark_command():

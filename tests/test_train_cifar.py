@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_both_models_train_and_every_output_appears(tmp_path, folder):
+def test_both_models_train_and_every_output_appears(tmp_path, folder, capsys):
     cfg = tiny(tmp_path, folder, model="both", epochs=3, plots=True, lr=None,
                vit_preset="vit_quick", batch_size=12)
     s = T.main(cfg)
     out = Path(cfg.out)
     assert s["status"] == "ok"
+    # every phase after training that can take minutes says so, with its duration, in a log too
+    printed = capsys.readouterr().out
+    phases = [m.group(1) for m in re.finditer(r"^(.+): \d+\.\d s$", printed, re.M)]
+    assert [p.split(" of ")[0] for p in phases if "final evaluation" in p] == ["[vit] final evaluation",
+                                                                             "[cnn] final evaluation"]
+    assert any(p.startswith("context measures (") for p in phases) and "plots" in phases, phases
     for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "examples.png", "curves.png",
                  "context.png", "erf.png", "attention.png", "checkpoints/vit.pt", "checkpoints/cnn.pt",
                  "checkpoints/vit.safetensors", "checkpoints/cnn.safetensors"):
@@ -44,6 +51,10 @@ def test_both_models_train_and_every_output_appears(tmp_path, folder):
     ent = torch.tensor(summary["models"]["vit"]["attention_entropy_nats"])
     assert ent.shape == (6, 4) and (ent >= 0).all() and (ent <= math.log(64) + 1e-4).all()
     assert len(summary["models"]["cnn"]["erf_radius_px"]) == 3
+    vit = summary["models"]["vit"]
+    ratio, share = (torch.tensor(vit[k]) for k in ("token_norm_max_ratio", "token_norm_outlier_share"))
+    assert ratio.shape == share.shape == (6,) and (ratio >= 1).all() and ((share >= 0) & (share <= 1)).all()
+    assert "token_norm_max_ratio" not in summary["models"]["cnn"]
     ck = torch.load(out / "checkpoints" / "vit.pt", weights_only=True)  # no pickled code
     assert ck["state"]["done"] and ck["result"]["final_acc"] == s["models"]["vit"]["final_acc"]
     from safetensors.torch import load_file

@@ -24,9 +24,12 @@ from .patch_embed import PatchEmbed, patchify, unpatchify
 from .pos_embed import apply_rope, resample_abs_pos_embed, rope_2d, rotate_qk, sincos_1d, sincos_2d
 from .registry import PRESETS, create_model, get_config, list_models
 from .timm_compat import from_timm, to_timm, to_timm_state_dict
+from .timm_registry import register_when_imported
 from .vit import ViT, ViTConfig
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
+
+register_when_imported()  # timm.create_model("<preset>_vitattn") once timm is loaded: no import of timm here
 
 _ON_USE = ("context", "training", "vitdet")
 

@@ -112,6 +112,7 @@ class AttentionConfig:
     window_size: int | Size2 | None = None  # attend within windows of the patch grid (ViTDet); None: global
     fused: bool = True  # the fused kernel wherever it computes the same thing
     norm_eps: float = 1e-6
+    split_q: bool = False  # separate q and kv layers even when the widths agree (timm's attention pool)
 
 
 class MultiHeadAttention(nn.Module):
@@ -146,10 +147,11 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d = hidden_dim // c.num_heads
         self.hidden_dim = hidden_dim
         self.fused = c.fused
-        self.cross = c.context_dim is not None and c.context_dim != dim  # keys and values from tokens of another width
+        # keys and values from tokens of another width (or kept apart, as timm's attention pool keeps them)
+        self.cross = c.split_q or (c.context_dim is not None and c.context_dim != dim)
         if self.cross:
             self.q = nn.Linear(dim, hidden_dim, bias=c.qkv_bias)
-            self.kv = nn.Linear(c.context_dim, 2 * hidden_dim, bias=c.qkv_bias)
+            self.kv = nn.Linear(c.context_dim or dim, 2 * hidden_dim, bias=c.qkv_bias)
         else:
             self.qkv = nn.Linear(dim, 3 * hidden_dim, bias=c.qkv_bias)
         self.q_norm = nn.LayerNorm(d, eps=c.norm_eps) if c.qk_norm else nn.Identity()

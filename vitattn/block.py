@@ -16,14 +16,28 @@ from .attention import AttentionConfig, MultiHeadAttention
 from .helpers import Size2
 
 
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``: OpenAI CLIP's cheaper GELU (timm's ``quick_gelu``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+# the MLP's activation by timm's name (``act_layer``)
+ACT_LAYERS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "quick_gelu": QuickGELU}
+
+
 class Mlp(nn.Module):
-    """``(B, N, D) -> (B, N, out)``: ``fc1 -> GELU -> dropout -> fc2 -> dropout``."""
+    """``(B, N, D) -> (B, N, out)``: ``fc1 -> activation -> dropout -> fc2 -> dropout``; the
+    activation by its name in ``ACT_LAYERS`` (GELU unless told)."""
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *,
-                 drop: float = 0.0, bias: bool = True) -> None:
+                 drop: float = 0.0, bias: bool = True, act_layer: str = "gelu") -> None:
         super().__init__()
+        if act_layer not in ACT_LAYERS:
+            raise ValueError(f"unknown act_layer {act_layer!r}; expected one of {tuple(ACT_LAYERS)}")
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
-        self.act = nn.GELU()
+        self.act = ACT_LAYERS[act_layer]()
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden_features, out_features or in_features, bias=bias)
         self.drop2 = nn.Dropout(drop)
@@ -70,6 +84,8 @@ class Block(nn.Module):
         attn: the attention's options (:class:`AttentionConfig`: heads, score, biases, dropout,
             window); its ``proj_drop`` also drops after the MLP.
         mlp_ratio: MLP hidden width as a multiple of ``D``.
+        act_layer: the MLP's activation (``ACT_LAYERS``).
+        norm_eps: the LayerNorms' epsilon (timm's 1e-6; CLIP's 1e-5).
         init_values: LayerScale start value; ``None`` for no LayerScale.
         drop_path: stochastic depth rate of this block.
 
@@ -78,14 +94,14 @@ class Block(nn.Module):
     """
 
     def __init__(self, dim: int, attn: AttentionConfig, *, mlp_ratio: float = 4.0, init_values: float | None = None,
-                 drop_path: float = 0.0, norm_eps: float = 1e-6) -> None:
+                 drop_path: float = 0.0, norm_eps: float = 1e-6, act_layer: str = "gelu") -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = MultiHeadAttention(dim, config=attn)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=attn.proj_drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=attn.proj_drop, act_layer=act_layer)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 

@@ -11,6 +11,9 @@ Three measures in pixels of the input image, so a ViT and a CNN share one axis, 
   weighted mean distance, with the normalised gradient as the weights, from the unit's centre.
 - ``attention_rollout``: attention flow through the residual stream, head-averaged attention plus
   identity, renormalised and multiplied through the layers (Abnar & Zuidema 2020).
+- ``token_norms``: the patch tokens' norms in the residual stream after each block, against
+  each image's median: Darcet et al. (2024) found a few high-norm "artefact" patches in trained
+  ViTs, which registers take over; ``max / median`` and the share above ``factor x median`` show them.
 - ``attention_entropy``: how spread each query's attention is, ``-sum_j A_ij log A_ij`` in nats,
   ``log N`` for uniform attention over N patches and 0 for attention to one patch. Not in pixels:
   it tells near-uniform attention from attention that is sharp but lands at every distance, which
@@ -119,6 +122,26 @@ def attention_entropy(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_to
         per_query = -torch.special.xlogy(a, a).sum(-1)  # (B, heads, N); 0 log 0 = 0
         out.append(per_query.double().mean(dim=(0, 2)))
     return torch.stack(out).float().cpu()
+
+
+def token_norms(layers: torch.Tensor | Sequence[torch.Tensor], factor: float = 3.0) -> dict[str, torch.Tensor]:
+    """Outlier patch tokens per layer, from block outputs ``(B, N, D)`` (patch tokens only, as
+    ``ViT.get_intermediate_layers`` gives them): ``max_ratio`` ``(layers,)``, the largest norm over
+    the image's median norm, averaged over images, and ``outlier_share`` ``(layers,)``, the share of
+    patch tokens whose norm is over ``factor`` times their image's median."""
+    if factor <= 1.0:
+        raise ValueError(f"factor must be over 1 (a multiple of the median norm), got {factor}")
+    layers = list(layers.unbind(0) if isinstance(layers, torch.Tensor) and layers.ndim == 4 else
+                  [layers] if isinstance(layers, torch.Tensor) else layers)
+    if not layers or any(x.ndim != 3 for x in layers):
+        raise ValueError(f"expected block outputs (B, N, D), got {[tuple(x.shape) for x in layers]}")
+    ratio, share = [], []
+    for x in layers:
+        norm = x.double().norm(dim=-1)  # (B, N)
+        median = norm.median(dim=-1, keepdim=True).values.clamp_min(1e-12)
+        ratio.append((norm.amax(-1) / median.squeeze(-1)).mean())
+        share.append((norm > factor * median).double().mean())
+    return {"max_ratio": torch.stack(ratio).float().cpu(), "outlier_share": torch.stack(share).float().cpu()}
 
 
 def _num_layers(model: nn.Module) -> int:
@@ -240,30 +263,34 @@ def attention_rollout(maps: torch.Tensor | Sequence[torch.Tensor], num_prefix_to
     return rollout.float()
 
 
-def rollout_map(rollout: torch.Tensor, grid: int | Size2, num_prefix_tokens: int) -> torch.Tensor:
+def rollout_map(rollout: torch.Tensor, grid: int | Size2, num_prefix_tokens: int,
+                class_token: bool | None = None) -> torch.Tensor:
     """``(B, P + N, P + N) -> (B, gh, gw)``: what the class token draws from each patch (the mean
-    over patch queries when there is no prefix token), renormalised over patches to sum to 1."""
+    over the patch queries when there is none: registers are prefix tokens but no read-out),
+    renormalised over patches to sum to 1. ``class_token``: whether the first prefix token is a
+    class token (default: whether there is a prefix)."""
     gh, gw = to_2tuple(grid)
     p = num_prefix_tokens
     if rollout.shape[-1] != p + gh * gw:
         raise ValueError(f"rollout has {rollout.shape[-1]} tokens, expected {p} + {gh}x{gw}")
-    row = rollout[:, 0, p:] if p > 0 else rollout[:, :, :].mean(1)
+    row = rollout[:, 0, p:] if (p > 0 if class_token is None else class_token) else rollout[:, p:, p:].mean(1)
     row = row / row.sum(-1, keepdim=True).clamp_min(1e-12)
     return rearrange(row, "b (gh gw) -> b gh gw", gh=gh, gw=gw)
 
 
 def head_attention_maps(attn: torch.Tensor, grid: int | Size2, num_prefix_tokens: int,
-                        query: int | Size2 | None = None) -> torch.Tensor:
+                        query: int | Size2 | None = None, class_token: bool | None = None) -> torch.Tensor:
     """One layer's attention ``(B, heads, P + N, P + N) -> (B, heads, gh, gw)``: where each head
     of one query looks, over the patch keys (renormalised). ``query``: ``None`` for the class
-    token (the centre patch when there is no prefix token), a patch index (row-major) or a
-    ``(row, col)`` grid position."""
+    token (the centre patch when there is none), a patch index (row-major) or a ``(row, col)``
+    grid position. ``class_token``: whether the first prefix token is one (default: whether
+    there is a prefix; registers alone are not)."""
     gh, gw = to_2tuple(grid)
     p = num_prefix_tokens
     if attn.ndim != 4 or attn.shape[-1] != p + gh * gw:
         raise ValueError(f"expected attention (B, heads, {p + gh * gw}, {p + gh * gw}), got {tuple(attn.shape)}")
     if query is None:
-        q = 0 if p > 0 else p + (gh // 2) * gw + gw // 2
+        q = 0 if (p > 0 if class_token is None else class_token) else p + (gh // 2) * gw + gw // 2
     elif isinstance(query, int):
         if not 0 <= query < gh * gw:
             raise ValueError(f"query patch {query} out of range for a {gh}x{gw} grid")

@@ -177,7 +177,7 @@ def count_flops(fn, *args, formulas: dict | None = None) -> int:
 
 
 def flops_per_image(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3) -> int:
-    """Forward FLOPs of one image (:func:`count_flops`).
+    """Forward FLOPs of one image in eval (:func:`count_flops`).
 
     Counted on a copy on the ``meta`` device: no arithmetic is done, and the layers take their
     plain PyTorch path there, whose matrix products the counter sees.

@@ -25,15 +25,16 @@ def lecun_normal_(weight: torch.Tensor) -> torch.Tensor:
 
 
 def init_vit_(vit: nn.Module, scheme: str = "") -> None:
-    """timm's ViT schemes, in place. Both: a truncated normal (std .02) position table, a near-zero
-    class token. Default (``''``): truncated normal (std .02) for linear layers, zero biases, the
+    """timm's ViT schemes, in place. Both: a truncated normal (std .02) position table, near-zero
+    class and register tokens. Default (``''``): truncated normal (std .02) for linear layers, zero biases, the
     patch projection keeps PyTorch's init. ``'jax'`` (timm's ``init_weights_vit_jax``):
     Xavier-uniform linear layers (MLP biases ~N(0, 1e-6), others 0), a zero head, a LeCun-normal
     patch projection; its block weights start about 3x larger than the default's."""
     if getattr(vit, "pos_embed", None) is not None:
         nn.init.trunc_normal_(vit.pos_embed, std=0.02)
-    if getattr(vit, "cls_token", None) is not None:
-        nn.init.normal_(vit.cls_token, std=1e-6)
+    for name in ("cls_token", "reg_token"):
+        if getattr(vit, name, None) is not None:
+            nn.init.normal_(getattr(vit, name), std=1e-6)
     if getattr(vit, "dist_token", None) is not None:
         nn.init.trunc_normal_(vit.dist_token, std=0.02)  # timm's VisionTransformerDistilled
     jax = scheme == "jax"

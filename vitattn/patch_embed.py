@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import nn
 
 from .helpers import Size2, check_input_dtype, is_tracing, to_2tuple
 
 # torch.fx (torchvision's create_feature_extractor) records these as calls instead of tracing into
 # them: einops and the input checks read shapes, which are proxies while tracing
-for _leaf in ("rearrange", "check_image", "check_input_dtype", "pad_to_patches", "shift_diagonally"):
+for _leaf in ("rearrange", "repeat", "check_image", "check_input_dtype", "pad_to_patches", "shift_diagonally"):
     torch.fx.wrap(_leaf)
 
 
@@ -66,6 +66,23 @@ def unpatchify(
     return rearrange(patches, "b (gh gw) (c p1 p2) -> b c (gh p1) (gw p2)", gh=gh, gw=gw, p1=p1, p2=p2)
 
 
+def resample_patch_weight(weight: torch.Tensor, patch_size: Size2) -> torch.Tensor:
+    """A patch projection ``(D, C, p1, p2)`` for patches of another size: FlexiViT's rule, the
+    kernel ``w'`` with ``<resize(x), w'> = <x, w>`` for every patch ``x``, i.e. ``w`` times the
+    pseudo-inverse of the bicubic resize written as a matrix (timm's ``resample_patch_embed``).
+
+    References: Beyer et al. 2023, "FlexiViT".
+    """
+    (h, w), new = weight.shape[-2:], tuple(patch_size)
+    if (h, w) == new:
+        return weight
+    basis = rearrange(torch.eye(h * w, device=weight.device), "k (h w) -> k 1 h w", h=h)
+    resize = rearrange(F.interpolate(basis, size=new, mode="bicubic", antialias=True, align_corners=False),
+                       "k 1 h w -> (h w) k")  # (new pixels, old pixels)
+    out = rearrange(weight.float(), "d c h w -> d c (h w)") @ torch.linalg.pinv(resize)
+    return rearrange(out, "d c (h w) -> d c h w", h=new[0]).to(weight.dtype)
+
+
 class PatchEmbed(nn.Module):
     """``(B, C, H, W) -> (B, N, D)`` plus the grid ``(gh, gw)``.
 
@@ -103,6 +120,23 @@ class PatchEmbed(nn.Module):
         self.grid_size = self.grid_for(self.img_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+
+    def set_input_size(self, img_size: Size2, patch_size: Size2) -> None:
+        """Take images of ``img_size`` in patches of ``patch_size``: a new patch's projection is
+        the old one resampled (:func:`resample_patch_weight`)."""
+        if tuple(patch_size) != self.patch_size:
+            old = self.proj
+            self.proj = nn.Conv2d(self.in_chans, self.embed_dim, kernel_size=patch_size, stride=patch_size,
+                                  bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+            with torch.no_grad():
+                self.proj.weight.copy_(resample_patch_weight(old.weight, patch_size))
+                if old.bias is not None:
+                    self.proj.bias.copy_(old.bias)
+            self.proj.requires_grad_(old.weight.requires_grad).train(old.training)
+            self.patch_size = tuple(patch_size)
+        self.img_size = tuple(img_size)
+        self.grid_size = self.grid_for(self.img_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
 
     def grid_for(self, img_size: Size2) -> Size2:
         """The patch grid an image of ``img_size`` gives (rounded up when padding is on)."""
@@ -164,8 +198,41 @@ class ShiftedPatchEmbed(PatchEmbed):
         self.norm = nn.LayerNorm(patch_dim, eps=1e-6)
         self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
 
+    def set_input_size(self, img_size: Size2, patch_size: Size2) -> None:
+        if tuple(patch_size) != self.patch_size:
+            raise ValueError("shifted patches project a fixed patch width: their patch size cannot change")
+        super().set_input_size(img_size, patch_size)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Size2]:
         x, grid = self.prepare(x)
         p1, p2 = self.patch_size
         x = shift_diagonally(x, (max(p1 // 2, 1), max(p2 // 2, 1)))
         return self.proj(self.norm(patchify(x, self.patch_size))), grid
+
+
+class PatchDropout(nn.Module):
+    """In training, keep a random ``1 - prob`` of each image's patch tokens (at least one) and all
+    its prefix tokens: ``(B, P + N, D) -> (B, P + K, D)``; in eval the identity. Fewer tokens make
+    a step cheaper and act as a regulariser (timm's ``patch_drop_rate``; its draw, so a seeded
+    run keeps the same tokens as timm's).
+
+    References: Liu et al. 2022, "PatchDropout"; Li et al. 2023, FLIP.
+    """
+
+    def __init__(self, prob: float, num_prefix_tokens: int) -> None:
+        super().__init__()
+        if not 0.0 <= prob < 1.0:
+            raise ValueError(f"patch_drop_rate must be in [0, 1), got {prob}")
+        self.prob, self.num_prefix_tokens = prob, num_prefix_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.prob == 0.0:
+            return x
+        prefix, patches = x[:, :self.num_prefix_tokens], x[:, self.num_prefix_tokens:]
+        b, n = patches.shape[:2]
+        keep = torch.randn(b, n, device=x.device).argsort(dim=-1)[:, :max(1, int(n * (1.0 - self.prob)))]
+        patches = patches.gather(1, repeat(keep, "b k -> b k d", d=patches.shape[-1]))
+        return torch.cat([prefix, patches], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"prob={self.prob}"

@@ -14,7 +14,7 @@ from torch import nn
 
 from .bof import BagOfFeaturesConfig, BagOfLocalFeatures
 from .cnn import CNNConfig, SmallCNN
-from .constants import CIFAR10_MEAN, CIFAR10_STD
+from .constants import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .features import FeatureExtractor
 from .vit import ViT, ViTConfig
 from .weights import read_weights
@@ -32,6 +32,30 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
                               "timm's ViT-S/16 (DeiT-S, Touvron et al. 2021)"),
     "vit_base_patch16_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
                              "timm's ViT-B/16 (Dosovitskiy et al. 2021)"),
+    # The backbones people fine-tune today, each timm's model of the same name (and its weights).
+    "vit_small_patch14_dinov2": ("vit", dict(img_size=518, patch_size=14, embed_dim=384, depth=12, num_heads=6,
+                                             init_values=1e-5, num_classes=0),
+                                 "timm's DINOv2 ViT-S/14 (Oquab et al. 2024): self-supervised features, no head"),
+    "vit_small_patch14_reg4_dinov2": ("vit", dict(img_size=518, patch_size=14, embed_dim=384, depth=12, num_heads=6,
+                                                  init_values=1e-5, reg_tokens=4, no_embed_class=True, num_classes=0),
+                                      "timm's DINOv2 ViT-S/14 with 4 registers (Darcet et al. 2024), no head"),
+    "deit3_small_patch16_224": ("vit", dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, no_embed_class=True,
+                                            init_values=1e-6),
+                                "timm's DeiT-III ViT-S/16 (Touvron et al. 2022): positions on the patches only"),
+    "vit_base_patch16_siglip_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12,
+                                                class_token=False, global_pool="map", num_classes=0),
+                                    "timm's SigLIP ViT-B/16 image tower (Zhai et al. 2023): attention-pool read-out"),
+    "vit_little_patch16_reg1_gap_256": ("vit", dict(img_size=256, patch_size=16, embed_dim=320, depth=14, num_heads=5,
+                                                    init_values=1e-5, mlp_ratio=5.6, class_token=False,
+                                                    no_embed_class=True, reg_tokens=1, global_pool="avg"),
+                                        "timm's ViT-Little/16 with 1 register and mean pooling (timm's SBB recipe)"),
+    "vit_base_patch16_clip_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, pre_norm=True,
+                                              norm_eps=1e-5),
+                                  "timm's CLIP ViT-B/16 image tower (Radford et al. 2021): a norm before the blocks"),
+    "vit_base_patch16_clip_quickgelu_224": ("vit", dict(patch_size=16, embed_dim=768, depth=12, num_heads=12,
+                                                        pre_norm=True, norm_eps=1e-5, act_layer="quick_gelu",
+                                                        num_classes=512),
+                                            "timm's CLIP ViT-B/16 with OpenAI's quick GELU, a 512-wide projection"),
     # The CIFAR-10 comparison (train_cifar.py's defaults), sized to train in minutes on a CPU.
     # Read out by the mean of the patch tokens with fixed 2-D sin-cos positions, as big_vision's
     # plain ViT (Beyer et al. 2022): it learns more in ten epochs than a class token over a learned
@@ -61,6 +85,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 
 _FAMILIES = {"vit": (ViT, ViTConfig), "cnn": (SmallCNN, CNNConfig), "bof": (BagOfLocalFeatures, BagOfFeaturesConfig)}
+
+# the data each pretrained family was trained on, as timm's pretrained_cfg of the same name says
+_DINOV2 = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=1.0)
+_CLIP = dict(mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+DATA = {"vit_small_patch14_dinov2": _DINOV2, "vit_small_patch14_reg4_dinov2": _DINOV2,
+        "deit3_small_patch16_224": dict(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+        "vit_little_patch16_reg1_gap_256": dict(crop_pct=0.95),
+        "vit_base_patch16_clip_224": dict(_CLIP, crop_pct=0.95),
+        "vit_base_patch16_clip_quickgelu_224": dict(_CLIP, crop_pct=1.0)}
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -105,7 +138,9 @@ def get_config(name: str, **overrides: Any) -> ViTConfig | CNNConfig:
 
 
 # presets whose weights timm publishes under the same name
-TIMM_TWINS = ("vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224")
+TIMM_TWINS = ("vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_small_patch14_dinov2",
+              "vit_small_patch14_reg4_dinov2", "deit3_small_patch16_224", "vit_base_patch16_siglip_224",
+              "vit_little_patch16_reg1_gap_256", "vit_base_patch16_clip_224", "vit_base_patch16_clip_quickgelu_224")
 
 
 def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay: dict | None = None,
@@ -132,6 +167,7 @@ def create_model(name: str, pretrained: bool = False, *, pretrained_cfg_overlay:
         model = _FAMILIES[PRESETS[name][0]][0](cfg)
         if isinstance(model, ViT) and PRESETS[name][1].get("img_size") == 32:  # the CIFAR presets' data
             model.pretrained_cfg.update(mean=CIFAR10_MEAN, std=CIFAR10_STD, interpolation="bilinear", crop_pct=1.0)
+        model.pretrained_cfg.update(DATA.get(name, {}))
     model.pretrained_cfg["architecture"] = name  # timm's field: the model's name
     if state is not None:
         load_strict(model, state, checkpoint_path)

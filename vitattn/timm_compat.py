@@ -7,6 +7,7 @@ package does not need it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,8 +31,22 @@ UNKNOWN_INIT_VALUES = 1e-5
 
 
 def _layer_norm(m: nn.Module) -> bool:
-    """timm's default norm: a LayerNorm with eps 1e-6 and a learned scale and shift."""
-    return isinstance(m, nn.LayerNorm) and m.eps == 1e-6 and m.weight is not None and m.bias is not None
+    """A LayerNorm with a learned scale and shift (its epsilon is checked across the model)."""
+    return isinstance(m, nn.LayerNorm) and m.weight is not None and m.bias is not None
+
+
+def _act_name(act: nn.Module) -> str | None:
+    """Our ``act_layer`` name of a timm MLP activation, or ``None`` for one we do not have."""
+    from timm.layers.activations import GELU, GELUTanh, QuickGELU
+
+    if type(act) in (nn.GELU, GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(getattr(act, "approximate", "none"))
+    return {GELUTanh: "gelu_tanh", QuickGELU: "quick_gelu"}.get(type(act))
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    """Every LayerNorm-like module of a timm ViT (the attention pool's and the q/k norms too)."""
+    return [m for m in model.modules() if isinstance(m, nn.LayerNorm) or "Norm" in type(m).__name__]
 
 
 def unsupported_options(model: nn.Module) -> list[str]:
@@ -47,27 +62,36 @@ def unsupported_options(model: nn.Module) -> list[str]:
         if cond and what not in bad:
             bad.append(what)
 
+    from timm.layers import AttentionPoolLatent, PatchDropout
+
     check(getattr(model, "dist_token", None) is not None, "a distillation token (DeiT's distilled models)")
-    check(getattr(model, "num_reg_tokens", 0) > 0, f"reg_tokens={getattr(model, 'num_reg_tokens', 0)}")
-    check(getattr(model, "no_embed_class", False), "no_embed_class=True")
-    check(model.global_pool not in ("token", "avg", "avgmax", "max", ""), f"global_pool={model.global_pool!r}")
-    check(getattr(model, "attn_pool", None) is not None, "an attention-pool read-out (global_pool='map')")
+    check(model.global_pool not in ("token", "avg", "avgmax", "max", "map", ""), f"global_pool={model.global_pool!r}")
+    pool = getattr(model, "attn_pool", None)
+    if pool is not None:  # ours is timm's default: one latent query, no table, q projection, an MLP
+        check(type(pool) is not AttentionPoolLatent, f"an attention pool {type(pool).__name__}")
+        if type(pool) is AttentionPoolLatent:
+            check(pool.latent_len != 1 or pool.pos_embed is not None or pool.pool != "token" or pool.mlp is None
+                  or isinstance(pool.q, nn.Identity) or not isinstance(pool.q_norm, nn.Identity)
+                  or pool.num_heads != model.blocks[0].attn.num_heads or pool.q.bias is None,
+                  "an attention pool other than timm's default (global_pool='map')")
     check(getattr(model, "pool_include_prefix", False), "pool_include_prefix=True")
-    check(not isinstance(model.norm_pre, nn.Identity), "pre_norm=True")
-    check(isinstance(model.norm, nn.Identity) and isinstance(model.fc_norm, nn.Identity), "final_norm=False")
-    check(not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity), "patch_drop_rate > 0")
+    drop = getattr(model, "patch_drop", nn.Identity())
+    check(not isinstance(drop, nn.Identity) and (type(drop) is not PatchDropout or drop.ordered),
+          f"patch dropout {type(drop).__name__}")
     pe = model.patch_embed
     check(type(pe) is not PatchEmbed, f"embed_layer {type(pe).__name__}")
     check(not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity), "embed_norm_layer (a patch embedding norm)")
-    check(getattr(pe, "proj", None) is None or pe.proj.bias is None, "a patch projection without bias")
-    for norm in (model.norm, model.fc_norm):
-        check(not isinstance(norm, nn.Identity) and not _layer_norm(norm), f"norm_layer {type(norm).__name__}")
+    # timm drops the patch projection's bias exactly when pre_norm is on (CLIP)
+    check(getattr(pe, "proj", None) is None or (pe.proj.bias is None) != (not isinstance(model.norm_pre, nn.Identity)),
+          "a patch projection bias that does not follow pre_norm")
+    norms = _norms(model)
+    odd = [type(n).__name__ for n in norms if not _layer_norm(n)]
+    check(bool(odd), f"norm_layer {odd[0] if odd else ''}")
+    check(len({n.eps for n in norms if _layer_norm(n)}) > 1, "LayerNorms of different epsilons")
     for blk in model.blocks:
         check(type(blk) is not Block, f"block_fn {type(blk).__name__}")
         if type(blk) is not Block:
             continue
-        for norm in (blk.norm1, blk.norm2):
-            check(not _layer_norm(norm), f"norm_layer {type(norm).__name__}")
         attn, mlp = blk.attn, blk.mlp
         check(type(attn) is not Attention, f"attn_layer {type(attn).__name__}")
         check(type(mlp) is not Mlp, f"mlp_layer {type(mlp).__name__}")
@@ -76,11 +100,9 @@ def unsupported_options(model: nn.Module) -> list[str]:
             check(attn.proj.bias is None, "proj_bias=False")
             check(attn.scale != attn.head_dim**-0.5, f"an attention scale of {attn.scale:g}")
             qk = [not isinstance(n, nn.Identity) for n in (attn.q_norm, attn.k_norm)]
-            check(any(qk) and not (all(qk) and _layer_norm(attn.q_norm) and _layer_norm(attn.k_norm)),
-                  "a q/k norm other than LayerNorm(eps=1e-6) on both")
+            check(any(qk) and not all(qk), "a norm on q or k alone")
         if type(mlp) is Mlp:
-            act = mlp.act
-            check(type(act) is not nn.GELU or act.approximate != "none", f"act_layer {type(act).__name__}")
+            check(_act_name(mlp.act) is None, f"act_layer {type(mlp.act).__name__}")
             check(not isinstance(mlp.norm, nn.Identity), "scale_mlp_norm=True")
             check(mlp.fc1.bias is None or mlp.fc2.bias is None, "proj_bias=False")
             check(isinstance(mlp.fc1, nn.Conv2d), "a convolutional MLP")
@@ -89,9 +111,9 @@ def unsupported_options(model: nn.Module) -> list[str]:
     layer_scale = [not isinstance(b.ls1, nn.Identity) for b in model.blocks if type(b) is Block]
     check(0 < sum(layer_scale) < len(layer_scale), "LayerScale in some blocks only")
     widths = {(b.mlp.fc1.out_features, b.attn.num_heads, b.attn.qkv.bias is not None,
-               not isinstance(b.attn.q_norm, nn.Identity)) for b in model.blocks if type(b) is Block
-              and type(b.attn) is Attention and type(b.mlp) is Mlp}
-    check(len(widths) > 1, "blocks of different widths, heads, biases or norms")
+               not isinstance(b.attn.q_norm, nn.Identity), _act_name(b.mlp.act)) for b in model.blocks
+              if type(b) is Block and type(b.attn) is Attention and type(b.mlp) is Mlp}
+    check(len(widths) > 1, "blocks of different widths, heads, biases, norms or activations")
     return bad
 
 
@@ -127,6 +149,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         start = float(gamma.flatten()[0])
         init_values = start if start > 0 and bool((gamma == start).all()) else UNKNOWN_INIT_VALUES
     last_drop_path = model.blocks[-1].drop_path1  # timm's rates rise linearly to drop_path_rate, as ours
+    final_norm = not (isinstance(model.norm, nn.Identity) and isinstance(model.fc_norm, nn.Identity))
+    drop = getattr(model, "patch_drop", None)
     return ViTConfig(
         img_size=tuple(model.patch_embed.img_size),
         patch_size=tuple(model.patch_embed.patch_size),
@@ -141,12 +165,19 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
         init_values=init_values,
         class_token=model.cls_token is not None,
+        reg_tokens=getattr(model, "num_reg_tokens", 0),
+        no_embed_class=bool(getattr(model, "no_embed_class", False)),
         pos_embed="learn" if has_pos else "none",
         dynamic_img_size=bool(getattr(model, "dynamic_img_size", False)),
         dynamic_img_pad=bool(getattr(model.patch_embed, "dynamic_img_pad", False)),
         fc_norm=not isinstance(model.fc_norm, nn.Identity),
+        pre_norm=not isinstance(model.norm_pre, nn.Identity),
+        final_norm=final_norm,
+        norm_eps=blk.norm1.eps,
+        act_layer=_act_name(blk.mlp.act),
         drop_rate=float(model.head_drop.p),
         pos_drop_rate=float(model.pos_drop.p),
+        patch_drop_rate=float(getattr(drop, "prob", 0.0)),
         proj_drop_rate=float(blk.attn.proj_drop.p),
         attn_drop_rate=float(blk.attn.attn_drop.p),
         drop_path_rate=float(getattr(last_drop_path, "drop_prob", 0.0)),
@@ -201,9 +232,13 @@ def timm_kwargs(config: ViTConfig) -> dict[str, Any]:
         img_size=c.img_size, patch_size=c.patch_size, in_chans=c.in_chans, num_classes=c.num_classes,
         global_pool=c.global_pool, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,
         mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, init_values=c.init_values,
-        class_token=c.class_token, pos_embed="learn" if fixed else c.pos_embed, dynamic_img_size=c.dynamic_img_size,
-        dynamic_img_pad=c.dynamic_img_pad, fc_norm=c.fc_norm, drop_rate=c.drop_rate, pos_drop_rate=c.pos_drop_rate,
+        class_token=c.class_token, reg_tokens=c.reg_tokens, no_embed_class=c.no_embed_class,
+        pos_embed="learn" if fixed else c.pos_embed, dynamic_img_size=c.dynamic_img_size,
+        dynamic_img_pad=c.dynamic_img_pad, fc_norm=c.fc_norm, pre_norm=c.pre_norm, final_norm=c.final_norm,
+        drop_rate=c.drop_rate, pos_drop_rate=c.pos_drop_rate, patch_drop_rate=c.patch_drop_rate,
         proj_drop_rate=c.proj_drop_rate, attn_drop_rate=c.attn_drop_rate, drop_path_rate=c.drop_path_rate,
+        **({} if c.act_layer == "gelu" else {"act_layer": c.act_layer}),
+        **({} if c.norm_eps == 1e-6 else {"norm_layer": partial(nn.LayerNorm, eps=c.norm_eps)}),
     )
 
 

@@ -78,7 +78,8 @@ class ViTDetBackbone(nn.Module):
     ``(B, C, H, W) -> OrderedDict{name: (B, out_channels, H / stride, W / stride)}``.
 
     The ViT is taken over and adapted in place: it accepts any image size (learned positions are
-    resampled on the fly), and its classifier head and ``fc_norm`` are removed. Window attention
+    resampled on the fly), its classifier head, ``fc_norm`` and attention pool are removed, and
+    patch dropout is off; prefix tokens (class, registers) attend but leave no map. Window attention
     is the ViT's own config (``window_size``, ``window_block_indexes``; ViTDet's layout by
     default). Images whose sides are not multiples of the patch are padded at the
     bottom/right (torchvision's transform already pads batches to multiples of 32).
@@ -87,7 +88,8 @@ class ViTDetBackbone(nn.Module):
         vit: any vitattn ``ViT`` (a preset, ``from_timm``, or one trained here); square patches.
         out_channels: width of every pyramid level (torchvision reads ``backbone.out_channels``).
         scale_factors: branches relative to the ViT's map, a subset of ``(4, 2, 1, 0.5)``,
-            finest first; with patch 16 they give strides 4, 8, 16, 32.
+            finest first; with patch 16 they give strides 4, 8, 16, 32 (with DINOv2's patch 14,
+            ``(2, 1, 0.5)`` gives 7, 14, 28, or ``vit.set_input_size(patch_size=16)`` first).
         top_block: add a ``'pool'`` level, max-pooled (kernel 1, stride 2) from the coarsest.
         final_norm: apply the ViT's final LayerNorm to the last block's tokens (it was trained
             with them in classification weights).
@@ -117,10 +119,11 @@ class ViTDetBackbone(nn.Module):
             raise ValueError(f"scale factor 4 needs embed_dim divisible by 4, got {vit.embed_dim}")
         vit.dynamic_img_size = True
         vit.config = dataclasses.replace(vit.config, dynamic_img_size=True)
-        # Classification-only parts would get no gradient (and trip DDP): the head, and the
-        # LayerNorm after pooling of avg-pool models. Detectors bring their own heads.
+        # Classification-only parts would get no gradient (and trip DDP): the head, the LayerNorm
+        # after pooling of avg-pool models and an attention pool (SigLIP's). Detectors bring their
+        # own heads. Patch dropout would leave no whole grid for the pyramid: a detector sees every patch.
         vit.reset_classifier(0)
-        vit.fc_norm = nn.Identity()
+        vit.fc_norm, vit.attn_pool, vit.patch_drop = nn.Identity(), None, nn.Identity()
         self.vit = vit
         self.final_norm = final_norm
         self.out_channels = out_channels
@@ -179,15 +182,15 @@ class ViTDetBackbone(nn.Module):
         ``weights`` is a vitattn ``ViT``, a timm ``VisionTransformer`` or either's state dict
         (the keys are the same). A position table for another resolution is resampled to this
         ViT's grid (``old_grid`` defaults to the source model's grid, or a square); the
-        classifier head (and ``fc_norm``, the norm after pooling) is dropped. Returns
-        ``{'missing', 'unexpected', 'skipped'}``: the skipped keys are those of the head and
-        ``fc_norm``; missing or unexpected keys raise a ``ValueError``.
+        classifier head (and ``fc_norm``, the norm after pooling, and an attention pool) is dropped.
+        Returns ``{'missing', 'unexpected', 'skipped'}``: the skipped keys are those of the head,
+        ``fc_norm`` and ``attn_pool``; missing or unexpected keys raise a ``ValueError``.
         """
         if isinstance(weights, nn.Module):
             if old_grid is None and hasattr(weights, "patch_embed"):
                 old_grid = tuple(weights.patch_embed.grid_size)
             weights = weights.state_dict()
-        dropped = [k for k in weights if k.startswith("fc_norm.")]  # removed in __init__
+        dropped = [k for k in weights if k.startswith(("fc_norm.", "attn_pool."))]  # removed in __init__
         report = self.vit.load_weights({k: v for k, v in weights.items() if k not in dropped},
                                        old_grid=old_grid, strict=True)
         report["skipped"] += dropped

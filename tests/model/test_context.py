@@ -17,6 +17,7 @@ from vitattn.context import (
     mean_attention_distance,
     patch_centres,
     rollout_map,
+    token_norms,
     weighted_radius,
 )
 from vitattn.tasks.classify.longrange import (
@@ -163,6 +164,19 @@ class OneConv(nn.Module):
 
     def forward_intermediates(self, x, indices=None, intermediates_only=True):
         return [self.stages[0](x)]
+
+
+def test_token_norms_find_a_planted_high_norm_patch_and_nothing_in_equal_norms():
+    x = torch.nn.functional.normalize(torch.randn(2, 16, 8), dim=-1)  # every patch token of norm 1
+    x[0, 5] *= 10.0                                                  # one artefact patch in image 0
+    r = token_norms([x, torch.nn.functional.normalize(x, dim=-1)])
+    assert torch.allclose(r["max_ratio"], torch.tensor([(10.0 + 1.0) / 2, 1.0]))  # the mean over images
+    assert torch.allclose(r["outlier_share"], torch.tensor([1 / 32, 0.0]))
+    assert torch.equal(token_norms(torch.stack([x, x]))["outlier_share"], r["outlier_share"][:1].repeat(2))
+    with pytest.raises(ValueError, match="factor must be over 1"):
+        token_norms(x, factor=1.0)
+    with pytest.raises(ValueError, match=r"expected block outputs \(B, N, D\)"):
+        token_norms([torch.randn(2, 3)])
 
 
 def test_erf_of_a_single_3x3_conv_is_exactly_3x3():

@@ -14,6 +14,16 @@ import torch
 import vitattn
 
 PRESETS = vitattn.list_models()
+# the fine-tuning families' presets (ViT-S at 518 px, ViT-B at 224) keep every option here with two
+# blocks and, for DINOv2, a smaller image: the contract is the same, the suite minutes are not; timm's
+# own model tests ran on them whole (docs/api.md)
+SHRUNK = {name: dict(depth=2, **({"img_size": 112} if "dinov2" in name else {}))
+          for name in vitattn.registry.TIMM_TWINS if name not in ("vit_tiny_patch16_224", "vit_small_patch16_224",
+                                                                 "vit_base_patch16_224")}
+
+
+def build(name: str, **kw):
+    return vitattn.create_model(name, **{**SHRUNK.get(name, {}), **kw})
 SPATIAL = ("cnn", "bof")  # families whose features are maps (B, C, h, w); the ViT's are tokens (B, N, D)
 
 
@@ -32,7 +42,7 @@ def seeded():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_forward_and_backward_reach_every_parameter(name):
-    model = vitattn.create_model(name, num_classes=7).train()
+    model = build(name, num_classes=7).train()
     out = model(images(model))
     assert out.shape == (2, 7) and not out.isnan().any()
     out.mean().backward()
@@ -43,7 +53,8 @@ def test_forward_and_backward_reach_every_parameter(name):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_default_cfg_heads_and_names(name):
-    model = vitattn.create_model(name).eval()
+    headless = vitattn.get_config(name).num_classes == 0  # a features-only preset (DINOv2, SigLIP) given a head
+    model = build(name, **({"num_classes": 10} if headless else {})).eval()
     cfg = model.default_cfg
     assert model.num_classes == cfg["num_classes"] > 0 and model.num_features > 0 and model.head_hidden_size > 0
     x = images(model, 1)
@@ -59,9 +70,9 @@ def test_default_cfg_heads_and_names(name):
         model.reset_classifier(0, "")
         unpooled = model(x)
         assert unpooled.shape == feats.shape
-        built = vitattn.create_model(name, num_classes=0, global_pool="").eval()
+        built = build(name, num_classes=0, global_pool="").eval()
         assert built(x).shape == feats.shape
-    state = vitattn.create_model(name).state_dict()
+    state = build(name, **({"num_classes": 10} if headless else {})).state_dict()
     assert cfg["classifier"] + ".weight" in state and cfg["first_conv"] + ".weight" in state
 
 
@@ -69,7 +80,7 @@ def test_default_cfg_heads_and_names(name):
 def test_pretrained_cfg_gives_a_correct_eval_transform_through_timm(name):
     from timm.data import create_transform, resolve_data_config
 
-    model = vitattn.create_model(name)
+    model = build(name)
     cfg = resolve_data_config({}, model=model)
     assert cfg["input_size"] == model.pretrained_cfg["input_size"]
     assert cfg["mean"] == tuple(model.pretrained_cfg["mean"]) and cfg["std"] == tuple(model.pretrained_cfg["std"])
@@ -90,7 +101,7 @@ def test_pretrained_cfg_gives_a_correct_eval_transform_through_timm(name):
 def test_feature_info_describes_the_maps(name, features_only):
     from timm.models import FeatureInfo
 
-    model = vitattn.create_model(name, features_only=features_only).eval()
+    model = build(name, features_only=features_only).eval()
     info = model.feature_info if features_only else FeatureInfo(model.feature_info, len(model.feature_info))
     x = images(model, 1)
     with torch.no_grad():
@@ -106,7 +117,7 @@ def test_feature_info_describes_the_maps(name, features_only):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_forward_intermediates_ends_in_forward_features_with_and_without_checkpointing(name):
-    model = vitattn.create_model(name).eval()
+    model = build(name).eval()
     x = images(model, 1)
     with torch.no_grad():
         ref = model.forward_features(x)
@@ -132,7 +143,7 @@ def _last_node(model) -> str:
 def test_torch_fx_traces_every_preset_equal_to_eager_forward_and_backward(name):
     from torchvision.models.feature_extraction import create_feature_extractor
 
-    model = vitattn.create_model(name, num_classes=7)
+    model = build(name, num_classes=7)
     x = images(model)
     traced = create_feature_extractor(model, return_nodes={_last_node(model): "out"})
     model.eval(), traced.eval()
@@ -157,7 +168,7 @@ def test_torch_fx_traces_every_preset_equal_to_eager_forward_and_backward(name):
 def test_torchvision_feature_extraction_takes_a_block_or_a_stage(name, node):
     from torchvision.models.feature_extraction import create_feature_extractor
 
-    model = vitattn.create_model(name).eval()
+    model = build(name).eval()
     x = images(model)
     feats = create_feature_extractor(model, return_nodes={node: "f"})(x)["f"]
     with torch.no_grad():
@@ -170,7 +181,7 @@ def test_torchvision_feature_extraction_takes_a_block_or_a_stage(name, node):
 
 @pytest.mark.parametrize("name", ["vit_quick", "vit_longrange", "cnn_quick", "cnn_cifar10", "bof_longrange"])
 def test_torch_export_with_a_dynamic_batch_matches_eager(name):
-    model = vitattn.create_model(name).eval()
+    model = build(name).eval()
     x = images(model, 3)
     batch = torch.export.Dim("batch", min=2, max=64)
     exported = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
@@ -239,7 +250,7 @@ def test_hooks_and_fx_see_every_block_whole(name, pool):
     every preset and every read-out: the last block is a block like the others."""
     from torchvision.models.feature_extraction import create_feature_extractor
 
-    model = vitattn.create_model(name, global_pool=pool, num_classes=0 if pool == "" else 5).eval()
+    model = build(name, global_pool=pool, num_classes=0 if pool == "" else 5).eval()
     x = images(model)
     seen: dict[str, list[torch.Tensor]] = {}
     handles = [m.register_forward_hook(lambda mod, args, out, k=k: seen.setdefault(k, []).append(out))
@@ -278,3 +289,19 @@ def test_export_and_compile_see_every_block_whole(pool):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend="eager")(x), want, rtol=1e-5, atol=1e-6)
     assert seen == [tokens, tokens]
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if family(n) == "vit" and build(n).global_pool == "token"])
+def test_eval_forward_is_bitwise_what_fx_and_forward_features_give(name):
+    """In eval, forward computes exactly what forward_head(forward_features(x)) and an FX trace
+    compute, bit for bit (timm's test_model_forward_fx asks ==): the class-token shortcut, whose
+    smaller products round differently, is a training-step saving only."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    model = build(name).eval()
+    x = images(model, batch=1)
+    with torch.inference_mode():
+        out = model(x)
+        assert torch.equal(out, model.forward_head(model.forward_features(x)))
+        traced = create_feature_extractor(model, return_nodes={"head": "head"})
+        assert torch.equal(out, traced(x)["head"])

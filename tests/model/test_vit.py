@@ -64,8 +64,9 @@ def test_forward_features_head_and_pre_logits():
 def test_class_token_shortcut_equals_the_readable_path(kw):
     """forward() runs the last block for the class token alone; outputs and every gradient must
     equal forward_head(forward_features(x)), which computes the block for all tokens."""
-    m = tiny(**kw).eval()
+    m = tiny(**kw).train()  # the shortcut is a training step's (nothing here draws at random)
     x = torch.randn(3, 3, 16, 16, requires_grad=True)
+    assert m.class_token_shortcut()
     fast, slow = m(x), m.forward_head(m.forward_features(x))
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     wrt = [x, *m.parameters()]
@@ -83,7 +84,7 @@ def test_class_token_shortcut_saves_the_work_it_claims():
     key/value projections and the class token's share (counted, not timed)."""
     from vitattn.helpers import count_flops
 
-    m = tiny(img_size=32).eval()  # 64 patches + 1 class token
+    m = tiny(img_size=32).train()  # 64 patches + 1 class token; the shortcut is training's
     x = torch.randn(2, 3, 32, 32)
 
     def flops(fn):
@@ -93,7 +94,7 @@ def test_class_token_shortcut_saves_the_work_it_claims():
     fast, slow = flops(m), flops(lambda t: m.forward_head(m.forward_features(t)))
     assert fast < 0.65 * slow, (fast, slow)
     # avg pooling reads every token: no shortcut, identical work
-    m_avg = tiny(img_size=32, class_token=False, global_pool="avg").eval()
+    m_avg = tiny(img_size=32, class_token=False, global_pool="avg").train()
     assert flops(m_avg) == flops(lambda t: m_avg.forward_head(m_avg.forward_features(t)))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -22,8 +23,11 @@ def curves(folder: Path) -> dict[str, list[int]]:
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_a_run_writes_its_curves_and_end_figures_per_seed(tmp_path, folder):
-    s = T.main(tiny(tmp_path, folder, epochs=2, seeds="0,1", tensorboard=True))
+def test_a_run_writes_its_curves_and_end_figures_per_seed(tmp_path, folder, capsys):
+    s = T.main(tiny(tmp_path, folder, epochs=2, seeds="0,1", tensorboard=True, time_budget=5.0))
+    printed = capsys.readouterr().out  # what the budget leaves out is said first; each seed's end shows
+    assert "--time-budget 5 min counts training steps only" in printed
+    assert re.findall(r"^\[cnn\] final evaluation, seed (\d) \((\d)/2\)", printed, re.M) == [("0", "1"), ("1", "2")]
     for k in (0, 1):
         c = curves(Path(s["out"]) / "tensorboard" / "cnn" / f"seed{k}")
         assert c["epoch/test_acc"] == [3, 6] and c["epoch/train_loss"] == [3, 6]

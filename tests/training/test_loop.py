@@ -303,7 +303,10 @@ def test_a_kill_at_any_phase_then_resume_ends_as_an_uninterrupted_run(tmp_path, 
         only the purges they ask for (a session's start): out-of-order steps are not forgiven, as
         TensorBoard's Rust reader does not forgive them."""
         tags: dict[str, list] = {}
-        for f in sorted((out / "tensorboard" / "cnn").glob("events.out.tfevents.*")):
+        def written(f: Path) -> tuple[int, int]:  # events.out.tfevents.<seconds>.<host>.<pid>.<writer number>
+            return int(f.name.split(".")[3]), int(f.name.rsplit(".", 1)[1])  # (not by name: 10 sorts before 9)
+
+        for f in sorted((out / "tensorboard" / "cnn").glob("events.out.tfevents.*"), key=written):
             for event in loader.EventFileLoader(str(f)).Load():
                 if event.HasField("session_log") and event.session_log.status == event.session_log.START:
                     tags = {t: [p for p in pts if p[0] < event.step] for t, pts in tags.items()}

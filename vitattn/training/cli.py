@@ -12,15 +12,17 @@ failure mid-run (with the command that resumes it), 128 + the signal when stoppe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import Signalled, UsageError, preview
 
@@ -273,6 +275,41 @@ def console_log(progress: bool) -> Callable[..., None]:
     from tqdm import tqdm
 
     return lambda *parts: tqdm.write(" ".join(str(p) for p in parts), file=sys.stdout)
+
+
+# How a long phase shows (``phase``, ``track``): set by a run's session; silent in library use.
+_PHASES: dict[str, Any] = {"log": None, "bar": False}
+T = TypeVar("T")
+
+
+def show_phases(log: Callable[..., None] | None, bar: bool) -> None:
+    """Make every long phase show: a tqdm bar with its estimate (``bar``, in a terminal only) and,
+    through ``log``, one line with its duration when it ends (what a log file or CI keeps).
+    ``log=None`` silences them, as outside a run."""
+    _PHASES.update(log=log, bar=bar)
+
+
+@contextlib.contextmanager
+def phase(desc: str, total: int | None = None, unit: str = "it", line: bool = True, min_s: float = 0.0):
+    """A long phase of a run: yields its tqdm bar (``bar.update(n)``; a no-op when not shown), then
+    logs ``desc: 12.3 s`` (with ``line``, and when it took ``min_s`` or more)."""
+    from tqdm import tqdm
+
+    log, start = _PHASES["log"], time.perf_counter()
+    with tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None if log and _PHASES["bar"] else True) as bar:
+        yield bar
+    took = time.perf_counter() - start
+    if log is not None and line and took >= min_s:
+        log(f"{desc}: {took:.1f} s")
+
+
+def track(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it", line: bool = True) -> Iterator[T]:
+    """``items`` iterated as a :func:`phase` (the bar's total is ``len(items)`` where it has one)."""
+    total = total if total is not None else len(items) if hasattr(items, "__len__") else None
+    with phase(desc, total, unit, line) as bar:
+        for item in items:
+            yield item
+            bar.update(1)
 
 
 def progress_bar(desc: str, total_steps: int | None, step: int, budget_s: float | None, seconds: float):

@@ -4,7 +4,8 @@ model is evaluated; the loop does the rest the same way for all of them.
     task.batches(epoch, start_step)  -> this rank's batches of an epoch, from a step on (resume)
     task.loss(net, batch)            -> (loss, hits, images) of one batch, on the device (per seed)
     task.evaluate(model)             -> the metrics of an epoch's end   {"test_loss": .., "test_acc": ..}
-    task.final(model)                -> the metrics of the end of the run, with the kept weights
+    task.final(model, desc)          -> the metrics of the end of the run, with the kept weights
+                                        (``desc`` names the phase: a run shows its progress)
 
 A task may train several seeds at once (``tasks.classify.task.GroupTask`` over a ``stack.SeedStack``): its
 loss is then one per seed, ``task.tasks[s]`` evaluates seed ``s``'s model, and every figure the loop
@@ -247,12 +248,14 @@ def finish(run: Run, metrics: Path, info: dict | None = None) -> dict:
         model.load_state_dict(run.ema.module.state_dict())
     models, name, results = stack.members(model), task.score.removeprefix("test_"), []  # test_acc: final_acc
     for i, seed, t in run.per_seed():
+        desc = f"[{task.family}] final evaluation" + (f", seed {seed} ({i + 1}/{len(run.seeds)})"
+                                                      if len(run.seeds) > 1 else "")
         own = [m for m in rows if m.get("seed", seed) == seed]
         # the last epoch's line already tested the raw weights
         raw = {f"final_{k.removeprefix('test_')}": v for k, v in own[-1].items() if k.endswith("_no_ema")} \
             if own and run.ema is not None else {}
         with runtime.autocast(run.device, run.amp_dtype):
-            final = t.final(models[i])
+            final = t.final(models[i], desc)
         results.append(dict(
             family=task.family, seed=seed, params=count_params(models[i]),
             epochs=own[-1]["epoch"] if own else state.epoch, steps=state.global_step, **final,

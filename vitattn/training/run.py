@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..weights import describe
-from . import checkpoint, optim, runtime, stack
+from . import checkpoint, cli, optim, runtime, stack
 
 PER_SEED = ("loss_sum", "correct_sum", "best")  # TrainState's figures kept per seed
 
@@ -41,7 +41,7 @@ class Task(Protocol):
 
     def evaluate(self, model: nn.Module) -> dict[str, float]: ...
 
-    def final(self, model: nn.Module) -> dict[str, Any]: ...
+    def final(self, model: nn.Module, desc: str) -> dict[str, Any]: ...
 
     def log_line(self, metrics: dict[str, float]) -> str: ...
 
@@ -112,10 +112,11 @@ class Run:
             extra["model_info"] = describe(self.model)
         if self.scaler.is_enabled():
             extra["scaler"] = self.scaler.state_dict()
-        checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                "state": asdict(self.state), "rng": rng, "family": self.task.family,
-                                "config": self.config, "result": result or {}, **self.extra, **extra},
-                               self.checkpoint_path)
+        with cli.phase(f"[{self.task.family}] checkpoint written", min_s=5.0):  # a line for large models only
+            checkpoint.save_atomic({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                    "state": asdict(self.state), "rng": rng, "family": self.task.family,
+                                    "config": self.config, "result": result or {}, **self.extra, **extra},
+                                   self.checkpoint_path)
 
 
 def build_run(task: Task, model: nn.Module, opt: torch.optim.Optimizer | optim.OptimizerChain, *, resumed: dict | None,

@@ -107,6 +107,8 @@ def open_session(config: Any, script: str, prefix: str = "") -> Iterator[Session
     out = runfolder.run_folder(cfg.out, cfg.resume, prefix=prefix)
     log = cli.console_log(cfg.progress) if ranks.main else (lambda *a, **k: None)
     with contextlib.ExitStack() as folder:
+        cli.show_phases(log if ranks.main else None, cfg.progress)  # the long phases' bars and lines
+        folder.callback(cli.show_phases, None, False)
         if cfg.resume:
             folder.enter_context(runfolder.hold(out, ranks.main))
             runfolder.check_metrics(out)

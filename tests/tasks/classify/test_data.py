@@ -12,7 +12,7 @@ from conftest import CLASSES, make_images, png_bytes, write_batches, write_folde
 
 from vitattn.tasks.classify import batches as B
 from vitattn.tasks.classify import data as D
-from vitattn.training import runtime
+from vitattn.training import cli, runtime
 
 # -- the three layouts ------------------------------------------------------------------------
 
@@ -60,7 +60,13 @@ def test_the_cache_lives_in_the_user_cache_and_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("VITATTN_CACHE", str(tmp_path / "cache"))
     (tmp_path / "data").mkdir()
     src = write_tar(tmp_path / "data" / "c.tar.gz")
-    first = D.load_cifar(src)
+    lines: list[str] = []
+    cli.show_phases(lines.append, bar=False)  # as a run shows it: the decode is a phase with its duration
+    try:
+        first = D.load_cifar(src)
+    finally:
+        cli.show_phases(None, bar=False)
+    assert [line.rsplit(":", 1)[0] for line in lines] == ["decoding 36 train images", "decoding 12 test images"]
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["c.tar.gz"]  # nothing beside the data
     assert len(list((tmp_path / "cache").glob("c.tar.gz-*.pt"))) == 1
     monkeypatch.setattr(D, "read_tar", lambda p: pytest.fail("decoded again despite the cache"))

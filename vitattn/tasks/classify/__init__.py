@@ -8,7 +8,8 @@ CIFAR-10 or the long-range task, the ViT and the small CNN, one seed or several 
     longrange    the generated long-range task
     setup        the data, models, teacher and memory check a run is built from
     task         the task (loss, evaluation with TTA), a group of seeds as one, classification_run
-    report       the global-context measures, figures and report.md
+    report       the global-context measures and report.md
+    plots        the run's figures
 """
 
 from .options import Config

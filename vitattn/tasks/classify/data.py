@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...constants import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+from ...training.cli import track
 from ...training.errors import DataError
 from ..images import IMAGE_SUFFIXES, read_image
 
@@ -102,7 +103,8 @@ def _collect(items: list[tuple[str, str, str, bytes]], source: str) -> ImageData
     for split, rows in by_split.items():
         rows.sort(key=lambda r: r[1])  # file order independent of the archive / directory order
         names = [r[1] for r in rows]
-        out[f"{split}_x"] = _stack([_decode_image(d, n) for _, n, d in rows], names, f"{source} {split}")
+        decoded = [_decode_image(d, n) for _, n, d in track(rows, f"decoding {len(rows)} {split} images", unit="img")]
+        out[f"{split}_x"] = _stack(decoded, names, f"{source} {split}")
         out[f"{split}_y"] = torch.tensor([index[c] for c, _, _ in rows], dtype=torch.int64)
     return ImageData(classes=classes, source=source, **out)
 

@@ -1,9 +1,9 @@
-"""A run's global-context measures, its figures and its ``report.md``.
+"""A run's global-context measures and its ``report.md``.
 
 ``context_metrics`` applies :mod:`vitattn.context` to a trained model (any model with
-``forward_intermediates``; a ViT also gets attention distance, rollout and per-head maps). The
-plots take a run's metrics and results as ``train_cifar.py`` writes them (matplotlib, imported
-lazily), and ``write_report`` joins tables and figures into one Markdown page.
+``forward_intermediates``; a ViT also gets attention distance, rollout, per-head maps and token
+norms); ``write_outputs`` writes them with the plots (:mod:`.plots`) and ``write_report`` joins
+tables and figures into one Markdown page.
 
 References: Dosovitskiy et al. 2021, appendix D.7 (attention distance); Luo et al. 2016
 (effective receptive field); Abnar & Zuidema 2020 (attention rollout).
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...context import (
@@ -26,14 +25,15 @@ from ...context import (
     effective_receptive_field,
     head_attention_maps,
     mean_attention_distance,
+    patch_centres,
     rollout_map,
+    token_norms,
 )
 from ...training import board
+from ...training.cli import phase, track
 from ...training.runfolder import read_jsonl, write_text_atomic
 from ...training.seeds import regroup
-
-NAMES = {"vit": "ViT", "cnn": "CNN"}
-Figure = tuple[str, str]  # (file name, caption)
+from .plots import NAMES, Figure, write_plots
 
 
 class Sample(NamedTuple):
@@ -61,7 +61,8 @@ def context_metrics(model: nn.Module, images: torch.Tensor, erf_images: int = 32
     Returns ``erf`` (per layer: name, radius, 90% radius, the gradient map) for every model and,
     for a model with ``get_attention_maps``, ``attention_distance`` and ``attention_entropy``
     (nats) ``(layers, heads)``,
-    ``rollout`` ``(4, gh, gw)`` and the class token's per-head maps in the first and last block.
+    ``rollout`` ``(4, gh, gw)``, the class token's per-head maps in the first and last block and
+    ``token_norms`` (per block: the largest patch-token norm over the median, the share over 3x).
     Prefix tokens are left out of the distances (the module note of :mod:`vitattn.context`).
     """
     model.eval()
@@ -71,169 +72,17 @@ def context_metrics(model: nn.Module, images: torch.Tensor, erf_images: int = 32
         maps = attention_maps(model, images)
         p, grid = model.num_prefix_tokens, tuple(model.grid_size)
         out["attention_distance"] = mean_attention_distance(maps, grid, model.patch_embed.patch_size, p)
+        centres = patch_centres(grid, model.patch_embed.patch_size)  # a head that looks everywhere alike:
+        out["uniform_distance"] = float(torch.cdist(centres, centres).mean())  # the plots' reference line
         out["attention_entropy"] = attention_entropy(maps, p)
-        few = [m[:4] for m in maps]
-        out["rollout"] = rollout_map(attention_rollout(few, p), grid, p)
-        out["heads_first"] = head_attention_maps(few[0], grid, p)
-        out["heads_last"] = head_attention_maps(few[-1], grid, p)
+        few, cls = [m[:4] for m in maps], model.has_class_token
+        out["rollout"] = rollout_map(attention_rollout(few, p), grid, p, class_token=cls)
+        out["heads_first"] = head_attention_maps(few[0], grid, p, class_token=cls)
+        out["heads_last"] = head_attention_maps(few[-1], grid, p, class_token=cls)
+    if hasattr(model, "get_intermediate_layers"):  # high-norm artefact patches (Darcet et al. 2024)
+        with torch.no_grad():
+            out["token_norms"] = token_norms(model.get_intermediate_layers(images, n=len(model.blocks)))
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Figures
-# ---------------------------------------------------------------------------------------------
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display here or in CI)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path, caption: str) -> Figure:
-    """Write ``fig`` to ``path`` through a temp file, close it; returns ``(file name, caption)``."""
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    pyplot().close(fig)
-    return path.name, caption
-
-
-def plot_curves(out: Path, metrics: list[dict], families) -> Figure:
-    """Loss and test accuracy per epoch, and test accuracy against training minutes
-    (time to accuracy), both models on one figure."""
-    fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
-    for c, fam in enumerate(families):
-        group = list(dict.fromkeys(m.get("seed") for m in metrics if m["model"] == fam))
-        for i, seed in enumerate(group):  # a line per seed, labelled once
-            rows = [m for m in metrics if m["model"] == fam and m.get("seed") == seed]
-            ep, style = [m["epoch"] for m in rows], dict(color=f"C{c}", alpha=1.0 if len(group) == 1 else 0.6)
-            name = NAMES[fam] + (f" ({len(group)} seeds)" if len(group) > 1 else "")
-            first = i == 0
-            ax[0].plot(ep, [m["train_loss"] for m in rows], "o-", label=f"{name} train" if first else None, **style)
-            ax[0].plot(ep, [m["test_loss"] for m in rows], "s--", label=f"{name} test" if first else None, **style)
-            ax[1].plot(ep, [m["test_acc"] for m in rows], "o-", label=name if first else None, **style)
-            ax[2].plot([m["train_seconds"] / 60 for m in rows], [m["test_acc"] for m in rows], "o-",
-                       label=name if first else None, **style)
-    ax[0].set(xlabel="epoch", ylabel="loss", title="loss")
-    ax[1].set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch")
-    ax[2].set(xlabel="training minutes", ylabel="test accuracy", title="time to accuracy")
-    for a in ax:
-        a.grid(alpha=0.3)
-        a.legend()
-    return save_figure(fig, out / "curves.png", "Training curves; right: test accuracy against training minutes")
-
-
-def plot_context(out: Path, context: dict) -> Figure:
-    """ViT attention distance per block and head, beside every model's ERF radius per layer."""
-    fig, ax = pyplot().subplots(1, 2, figsize=(12, 4.5))
-    for fam, c in context.items():
-        radii = [e["radius_px"] for e in c["erf"]]
-        rel = [(i + 1) / len(radii) for i in range(len(radii))]
-        ax[1].plot(rel, radii, "o-", label=f"{NAMES[fam]} ERF radius")
-        if "attention_distance" not in c:
-            continue
-        mad = c["attention_distance"].numpy()
-        depth = list(range(mad.shape[0]))  # 0-based, as the report's blocks.i names
-        for h in range(mad.shape[1]):
-            ax[0].scatter(depth, mad[:, h], s=14, color="C0", alpha=0.6, label="heads" if h == 0 else None)
-        ax[0].plot(depth, mad.mean(1), "C0-", label="mean over heads")
-        ax[1].plot(rel, mad.mean(1), "x:", color="C0", label=f"{NAMES[fam]} attention distance")
-        ax[0].set_xticks(depth)  # whole blocks only
-    ax[0].set(xlabel="ViT block i (blocks.i in report.md)", ylabel="mean attention distance (px)",
-              title="ViT: attention distance")
-    ax[1].set(xlabel="relative depth (layer / number of layers)", ylabel="pixels",
-              title="Effective receptive field radius (Luo et al. 2016)")
-    for a in ax:
-        a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend()
-    return save_figure(fig, out / "context.png", "How far each layer looks: ViT mean attention distance per block "
-                       "and head (left); ERF radius per ViT block and CNN stage on one pixel axis (right)")
-
-
-def plot_erf(out: Path, context: dict) -> Figure:
-    n = max(len(c["erf"]) for c in context.values())
-    fig, ax = pyplot().subplots(len(context), n, figsize=(2.2 * n, 2.4 * len(context)), squeeze=False)
-    for row, (fam, c) in enumerate(context.items()):
-        for i, a in enumerate(ax[row]):
-            a.axis("off")
-            if i < len(c["erf"]):
-                e = c["erf"][i]
-                a.imshow((e["grad"] / e["grad"].max()).numpy(), cmap="magma")
-                a.set_title(f"{NAMES[fam]} {e['name']}\nr={e['radius_px']:.1f}px", fontsize=8)
-    return save_figure(fig, out / "erf.png", "Effective receptive fields: |d centre unit / d input| per layer")
-
-
-def plot_distance(out: Path, results: dict) -> Figure:
-    fig, a = pyplot().subplots(figsize=(6, 4))
-    for fam, r in results.items():
-        b = r["accuracy_by_distance"]
-        a.plot(b["centres"], b["accuracy"], "o-", label=f"{NAMES[fam]} ({r['params'] / 1e6:.2f} M params)")
-    a.axhline(0.5, color="grey", ls=":", label="chance")
-    a.set(xlabel="distance between the marks (px)", ylabel="test accuracy", title="accuracy against mark distance")
-    a.legend()
-    a.grid(alpha=0.3)
-    return save_figure(fig, out / "distance.png", "Long-range task: accuracy against mark distance")
-
-
-def plot_attention(out: Path, c: dict, images: torch.Tensor) -> Figure:
-    """Rollout and the class token's per-head attention in the first and last block, on four
-    images ``(4, 3, H, W)`` in [0, 1]."""
-    heads = c["heads_last"].shape[1]
-    cols = 2 + 2 * heads
-    fig, ax = pyplot().subplots(len(images), cols, figsize=(1.7 * cols, 1.8 * len(images)), squeeze=False)
-    for i, im in enumerate(images):
-        img = im.permute(1, 2, 0).clamp(0, 1).numpy()
-        ax[i, 0].imshow(img)
-        ax[i, 1].imshow(img)
-        up = F.interpolate(c["rollout"][i][None, None].float(), size=img.shape[:2], mode="nearest")[0, 0]
-        ax[i, 1].imshow(up.numpy(), cmap="jet", alpha=0.5)
-        for h in range(heads):
-            ax[i, 2 + h].imshow(c["heads_first"][i, h].numpy(), cmap="viridis")
-            ax[i, 2 + heads + h].imshow(c["heads_last"][i, h].numpy(), cmap="viridis")
-    last = c["attention_distance"].shape[0] - 1 if "attention_distance" in c else "last"
-    for j, title in enumerate(["image", "rollout"] + [f"blocks.0 h{h}" for h in range(heads)]
-                              + [f"blocks.{last} h{h}" for h in range(heads)]):
-        ax[0, j].set_title(title, fontsize=8)
-    for a in ax.flat:
-        a.axis("off")
-    return save_figure(fig, out / "attention.png", "Attention rollout (Abnar & Zuidema 2020) and where each head "
-                       "of the class token (the centre patch without one) looks, in the first and last block")
-
-
-def plot_examples(out: Path, images: torch.Tensor, labels: torch.Tensor, classes, n: int = 16) -> Figure:
-    """A grid of test images ``(B, 3, H, W)`` in [0, 1] with their class names: what the task is."""
-    n = min(n, len(images))
-    cols = min(8, n)
-    rows = -(-n // cols)
-    fig, ax = pyplot().subplots(rows, cols, figsize=(1.4 * cols, 1.55 * rows), squeeze=False)
-    for i, a in enumerate(ax.flat):
-        a.axis("off")
-        if i < n:
-            a.imshow(images[i].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
-            a.set_title(str(classes[int(labels[i])]), fontsize=8)
-    return save_figure(fig, out / "examples.png", "Test images and their labels")
-
-
-def write_plots(out: Path, metrics: list[dict], results: dict, context: dict, images: torch.Tensor,
-                labels: torch.Tensor, classes) -> list[Figure]:
-    """Every figure of a run; ``images``: test images ``(B, 3, H, W)`` in [0, 1] (four or more)
-    with their ``labels`` and the ``classes``' names."""
-    figs = [plot_examples(out, images, labels, classes), plot_curves(out, metrics, list(results)),
-            plot_context(out, context), plot_erf(out, context)]
-    by_distance = {f: r for f, r in results.items() if "accuracy_by_distance" in r}
-    if by_distance:
-        figs.append(plot_distance(out, by_distance))
-    vit = next((c for c in context.values() if "rollout" in c), None)
-    if vit is not None:
-        figs.append(plot_attention(out, vit, images[:4]))
-    return figs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,17 +125,22 @@ def context_table(context: dict, images: int) -> list[str]:
              "patch query's weights renormalised over patch keys). Effective receptive field (Luo et al. 2016): "
              f"|d centre unit / d input| over {min(32, images)} test images, reduced to a radius with the same "
              "formula. Attention entropy: -sum_j A_ij log A_ij over the same patch keys, in nats (log N for "
-             "uniform attention over N patches, 0 for one patch).", "",
+             "uniform attention over N patches, 0 for one patch). Token norms (Darcet et al. 2024): the patch "
+             "tokens' norms after the block, the largest over the image's median, and the share over 3x the "
+             "median (high-norm artefact tokens).", "",
              "| model | layer | ERF radius (px) | ERF 90% radius (px) | attention distance (px), mean [min, max] "
-             "over heads | attention entropy (nats), mean [min, max] over heads |", "|---|---|---:|---:|---|---|"]
+             "over heads | attention entropy (nats), mean [min, max] over heads | token norm max / median "
+             "| tokens over 3x median |", "|---|---|---:|---:|---|---|---:|---:|"]
     for fam, c in context.items():
         for i, e in enumerate(c["erf"]):
             cells = []
             for key in ("attention_distance", "attention_entropy"):
                 row = c[key][i] if key in c else None
                 cells.append("" if row is None else f"{row.mean():.2f} [{row.min():.2f}, {row.max():.2f}]")
+            norms = c.get("token_norms")
+            cells += ["", ""] if norms is None else [f"{norms['max_ratio'][i]:.2f}", f"{norms['outlier_share'][i]:.2%}"]
             lines.append(f"| {NAMES[fam]} | {e['name']} | {e['radius_px']:.2f} | {e['radius90_px']:.1f} "
-                         f"| {cells[0]} | {cells[1]} |")
+                         f"| {' | '.join(cells)} |")
     return lines + [""]
 
 
@@ -317,6 +171,9 @@ def mean_context(contexts: list[dict]) -> dict:
     for key in ("attention_distance", "attention_entropy"):
         if key in first:
             out[key] = torch.stack([c[key] for c in contexts]).mean(0)
+    if "token_norms" in first:
+        out["token_norms"] = {k: torch.stack([c["token_norms"][k] for c in contexts]).mean(0)
+                              for k in first["token_norms"]}
     return out
 
 
@@ -326,6 +183,9 @@ def context_figures(context: dict) -> dict[str, Any]:
     if "attention_distance" in context:
         out["attention_distance_px"] = context["attention_distance"].tolist()
         out["attention_entropy_nats"] = context["attention_entropy"].tolist()
+    if "token_norms" in context:
+        out["token_norm_max_ratio"] = context["token_norms"]["max_ratio"].tolist()
+        out["token_norm_outlier_share"] = context["token_norms"]["outlier_share"].tolist()
     return out
 
 
@@ -337,8 +197,11 @@ def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]],
     their means over the seeds), and with ``tensorboard`` the final figures as scalars (``board``)."""
     summary["config"]["context_images"] = len(samples[0].images)  # what the report's measures saw
     context = {}
+    jobs = [(fam, m, s) for fam, ms in modules.items() for m, s in zip(ms, samples)]
+    measured = iter([context_metrics(m, s.norm(s.images)) for _, m, s in track(
+        jobs, f"context measures ({len(samples[0].images)} images, {len(jobs)} models)", unit="model")])
     for fam, ms in modules.items():
-        per_seed = [context_metrics(m, s.norm(s.images)) for m, s in zip(ms, samples)]
+        per_seed = [next(measured) for _ in ms]
         result = summary["models"][fam]
         if "per_seed" in result:
             for r, c in zip(result["per_seed"], per_seed):
@@ -356,8 +219,9 @@ def write_outputs(out: Path, summary: dict, modules: dict[str, list[nn.Module]],
     figs = []
     if plots:
         first = samples[0]
-        figs = write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context,
-                           first.images[:16].float().cpu() / 255, first.labels[:16].cpu(), classes)
+        with phase("plots"):
+            figs = write_plots(out, read_jsonl(out / "metrics.jsonl"), summary["models"], context,
+                               first.images[:16].float().cpu() / 255, first.labels[:16].cpu(), classes)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     write_report(out, summary, context, figs)
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...helpers import count_params
 from ...training import optim, runtime, stack
+from ...training.cli import track
 from ...training.run import Run, build_run
 from ...training.runtime import Dist, all_reduce_
 from .batches import Augment, BatchLoader
@@ -42,12 +43,13 @@ def _tta_probs(model: nn.Module, xb: torch.Tensor, logits: torch.Tensor) -> tupl
 @torch.no_grad()
 def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 500,
              device: torch.device | str = "cpu", ranks: Dist | None = None, channels_last: bool = False,
-             tta: bool = False) -> dict:
+             tta: bool = False, desc: str = "evaluation", line: bool = False) -> dict:
     """Test loss, accuracy and the per-image hits of uint8 images ``x`` (ranks split them and sum).
 
     With ``tta`` also ``acc_tta`` (softmax averaged over each image and its mirror) and
     ``acc_tta_shift`` (airbench's six views, its ``tta_level=2``: half weight on that pair, half
-    on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy.
+    on the two one-pixel shifts and their mirrors). ``acc`` is always the plain accuracy. In a run
+    it shows as a phase ``desc`` (``cli.track``; with ``line``, a line with its duration).
     Under autocast (the loop's, with --amp) the model runs in its precision, the scores in fp32.
     Sums stay on ``device`` (what NCCL reduces) and are read once at the end, so a GPU is not
     stalled after every batch.
@@ -59,7 +61,7 @@ def evaluate(model: nn.Module, norm: nn.Module, x: torch.Tensor, y: torch.Tensor
     idx = torch.arange(ranks.rank, len(x), ranks.world, device=x.device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, flip-TTA, 6-view, count
     hits = torch.zeros(len(x), dtype=torch.int32, device=device)
-    for j in idx.split(batch_size):
+    for j in track(idx.split(batch_size), desc, unit="batch", line=line):
         xb = norm(x[j].to(device))
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
@@ -133,16 +135,18 @@ class ClassifyTask:
         x = self.inputs(xb)
         return *self.loss_of(net(x), x, yb), len(yb)  # net runs under the loop's autocast with --amp
 
-    def _evaluate(self, model: nn.Module, tta: bool) -> dict:
+    def _evaluate(self, model: nn.Module, tta: bool, desc: str, line: bool) -> dict:
         return evaluate(model, self.norm, self.test_x, self.test_y, batch_size=self.eval_batch_size,
-                        device=self.device, ranks=self.ranks, channels_last=self.channels_last, tta=tta)
+                        device=self.device, ranks=self.ranks, channels_last=self.channels_last, tta=tta,
+                        desc=desc, line=line)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        ev = self._evaluate(model, False)
+        ev = self._evaluate(model, False, f"[{self.family}] evaluation", line=False)  # the epoch's line follows
         return {"test_loss": ev["loss"], "test_acc": ev["acc"]}
 
-    def final(self, model: nn.Module) -> dict[str, Any]:
-        ev = self._evaluate(model, self.tta)
+    def final(self, model: nn.Module, desc: str) -> dict[str, Any]:
+        views = f" of {len(self.test_x)} images x 6 views (test-time augmentation)" if self.tta else ""
+        ev = self._evaluate(model, self.tta, desc + views, line=True)
         out = {"final_acc": ev["acc"], "final_loss": ev["loss"]}
         if self.tta:
             out["final_acc_tta"], out["final_acc_tta_shift"] = ev["acc_tta"], ev["acc_tta_shift"]
@@ -238,6 +242,10 @@ def describe_run(family: str, model: nn.Module, cfg: Config, run: Run, pipeline:
              f"{model.flops / 1e6:.1f} MFLOP/img; {r.optimizer} lr {r.lr:g} wd {r.weight_decay:g} batch {r.batch_size} "
              f"({run.task.steps_per_epoch} steps/epoch); {run.precision} on {run.device}; pipeline alone "
              f"{pipeline.get('augmented_images_per_s', 0):.0f} img/s"]
+    if cfg.time_budget:
+        views = " (6 views each)" if cfg.tta else ""
+        lines.append(f"[{family}] --time-budget {cfg.time_budget:g} min counts training steps only: each epoch's "
+                     f"evaluation, the final one{views} and the context measures come on top")
     if runtime.precision_warning(run.device, cfg.autocast_dtype()):
         lines.append(f"[{family}] warning: {runtime.precision_warning(run.device, cfg.autocast_dtype())}")
     if teacher:

@@ -25,7 +25,7 @@ from torch import nn
 from ... import registry
 from ...helpers import count_params, to_2tuple
 from ...training import optim, runtime
-from ...training.cli import check_fields, option, preset_kwargs
+from ...training.cli import check_fields, option, preset_kwargs, track
 from ...training.errors import UsageError
 from ...training.run import Run, build_run
 from ...training.runtime import Dist, RunOptions, step_generator
@@ -274,14 +274,17 @@ class DetectionTask:
         loss = sum(net(images, targets).values())  # under the loop's autocast with --amp
         return loss, self.no_hits, len(images)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return self._evaluate(model, f"[{self.family}] evaluation", line=False)  # the epoch's line follows
+
+    @torch.no_grad()
+    def _evaluate(self, model: nn.Module, desc: str, line: bool) -> dict[str, float]:
         """COCO box AP (pycocotools, against the val split's annotation file)."""
         was_training = model.training
         model.eval()
         detections = []
         mine = list(range(self.ranks.rank, len(self.val.dataset), self.ranks.world))
-        for images, targets in self._loader(self.val, mine):
+        for images, targets in track(self._loader(self.val, mine), desc, unit="batch", line=line):
             outputs = model([im.to(self.device) for im in images])
             for t, o in zip(targets, outputs):
                 detections += coco_results(t["image_id"], {k: v.cpu() for k, v in o.items()}, self.category_ids)
@@ -299,9 +302,9 @@ class DetectionTask:
                      **{k: {name[c]: v for c, v in ap[0][k].items()} for k in ("per_class", "per_class_50")}}
         return self.last
 
-    def final(self, model: nn.Module) -> dict[str, Any]:
+    def final(self, model: nn.Module, desc: str) -> dict[str, Any]:
         """The last evaluation when it was of these weights (the kept ones are evaluated last)."""
-        ev = self.last if self.last is not None else self.evaluate(model)
+        ev = self.last if self.last is not None else self._evaluate(model, desc, line=True)
         return {f"final_{k}": v for k, v in ev.items()}
 
     def log_line(self, metrics: dict[str, float]) -> str:
