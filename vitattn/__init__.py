@@ -27,7 +27,7 @@ from .timm_compat import from_timm, to_timm, to_timm_state_dict
 from .timm_registry import register_when_imported
 from .vit import ViT, ViTConfig
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 register_when_imported()  # timm.create_model("<preset>_vitattn") once timm is loaded: no import of timm here
 

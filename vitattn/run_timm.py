@@ -1,33 +1,54 @@
 """``python -m vitattn.run_timm SCRIPT [ARGS...]``: one of timm's own scripts (``train.py``,
 ``validate.py``, ``inference.py`` from timm's repository) run with vitattn's presets in timm's
-registry (``<preset>_vitattn``, :mod:`vitattn.timm_registry`), as ``python SCRIPT ARGS`` runs it."""
+registry (``<preset>_vitattn``, :mod:`vitattn.timm_registry`), as ``python SCRIPT ARGS`` runs it;
+``-m MODULE [ARGS...]`` as ``python -m MODULE``, e.g. timm's test suite under ``-m pytest``."""
 
 from __future__ import annotations
 
+import importlib.util
 import runpy
 import sys
 from pathlib import Path
+
+USAGE = ("usage: python -m vitattn.run_timm SCRIPT [ARGS...]\n       python -m vitattn.run_timm -m MODULE [ARGS...]\n\n"
+         "Runs one of timm's scripts (train.py, validate.py, inference.py), or a module as python -m does\n"
+         "(pytest, for timm's tests/test_models.py), with vitattn's presets in timm's registry as <preset>_vitattn,\n"
+         "e.g. python -m vitattn.run_timm train.py DATA --model vit_cifar10_vitattn --epochs 1\n"
+         "     python -m vitattn.run_timm -m pytest tests/test_models.py -k '_vitattn and not torchscript'")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vitattn.run_timm SCRIPT [ARGS...]``: run one of timm's scripts (``train.py``,
     ``validate.py``, ``inference.py``, from timm's repository) with vitattn's presets registered,
-    as ``python SCRIPT ARGS`` would run it."""
+    as ``python SCRIPT ARGS`` would run it; ``-m MODULE [ARGS...]`` as ``python -m MODULE ARGS``."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m vitattn.run_timm SCRIPT [ARGS...]\n\nRuns one of timm's scripts (train.py, "
-              "validate.py, inference.py) with vitattn's presets in timm's registry as <preset>_vitattn,\n"
-              "e.g. python -m vitattn.run_timm train.py DATA --model vit_cifar10_vitattn --epochs 1")
+        print(USAGE)
         return 0 if argv else 2
-    if not Path(argv[0]).is_file():
+    module = argv[1] if argv[0] == "-m" and len(argv) > 1 else None
+    if argv[0] == "-m" and not importable(module):
+        print(f"error: -m expected a module python can import (e.g. pytest), got {module!r}", file=sys.stderr)
+        return 2
+    if module is None and not Path(argv[0]).is_file():
         print(f"error: expected a script of timm's (train.py, validate.py), got {argv[0]!r}: no such file",
               file=sys.stderr)
         return 2
     import vitattn  # noqa: F401  (registers the presets when the script imports timm)
 
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
+    if module is None:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+    else:
+        sys.argv = [module, *argv[2:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
+
+
+def importable(module: str | None) -> bool:
+    try:
+        return module is not None and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty one
+        return False
 
 
 if __name__ == "__main__":

@@ -184,3 +184,11 @@ def test_run_timm_runs_a_script_of_timm_s_with_the_presets_registered(tmp_path):
     assert out.stdout.split("\n")[0] == "['vit_quick_vitattn'] ViT __main__"
     missing = subprocess.run([*run, str(tmp_path / "train.py")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    # -m MODULE as python's own: how timm's test suite runs (-m pytest), its exit status passed on
+    (tmp_path / "fake_suite.py").write_text(script.read_text() + "raise SystemExit(3)\n")
+    out = subprocess.run([*run, "-m", "fake_suite", "vit_quick_vitattn"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 3 and out.stdout.split("\n")[0] == "['vit_quick_vitattn'] ViT __main__", out.stderr
+    for bad in (["-m"], ["-m", "no_such_module_here"]):
+        out = subprocess.run([*run, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "expected a module" in out.stderr and "Traceback" not in out.stderr, out.stderr
