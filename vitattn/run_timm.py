@@ -25,29 +25,30 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    module = argv[1] if argv[0] == "-m" and len(argv) > 1 else None
-    if argv[0] == "-m" and not importable(module):
+    as_module = argv[0] == "-m"
+    module = argv[1] if as_module and len(argv) > 1 else None
+    if as_module and not importable(module):
         print(f"error: -m expected a module python can import (e.g. pytest), got {module!r}", file=sys.stderr)
         return 2
-    if module is None and not Path(argv[0]).is_file():
+    if not as_module and not Path(argv[0]).is_file():
         print(f"error: expected a script of timm's (train.py, validate.py), got {argv[0]!r}: no such file",
               file=sys.stderr)
         return 2
     import vitattn  # noqa: F401  (registers the presets when the script imports timm)
 
-    if module is None:
+    if as_module:
+        sys.argv = argv[1:]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
-    else:
-        sys.argv = [module, *argv[2:]]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 
 def importable(module: str | None) -> bool:
     try:
-        return module is not None and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty one
+        return bool(module) and importlib.util.find_spec(module) is not None
+    except ImportError:  # a dotted name whose parent is missing, or a relative one
         return False
 
 
